@@ -1,0 +1,54 @@
+"""pytest-dnnsafety: dependability gates for deep neural networks, as pytest tests.
+
+The public API is what ``__all__`` lists. Objects that need torch (``ScenarioTable``,
+``Conditions``, the engines) are imported on first access, so importing the package (which pytest
+does for every run once the plugin is installed) costs no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .errors import ConfigError, DataError, DnnSafetyError, MarkerError, MetricError, ModelLoadError
+from .results import GateResult, Measurement
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engines.scenario import ScenarioCoverageEngine
+    from .scenarios import Conditions, CoverageResult, ScenarioTable
+
+__all__ = [
+    "__version__",
+    "DnnSafetyError",
+    "ConfigError",
+    "MarkerError",
+    "DataError",
+    "ModelLoadError",
+    "MetricError",
+    "GateResult",
+    "Measurement",
+    "Conditions",
+    "ScenarioTable",
+    "CoverageResult",
+    "ScenarioCoverageEngine",
+]
+
+_LAZY = {
+    "Conditions": ".scenarios",
+    "ScenarioTable": ".scenarios",
+    "CoverageResult": ".scenarios",
+    "ScenarioCoverageEngine": ".engines.scenario",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pytest_dnnsafety' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

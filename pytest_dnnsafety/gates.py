@@ -1,0 +1,267 @@
+"""Gate markers: definitions, validation at collection, and evaluation into a GateResult.
+
+A gate is ``@pytest.mark.<marker>(threshold, **options)`` on a test. Each marker has one
+:class:`GateDef` in :data:`GATES` saying which metric it measures, how the value is compared
+(``>=`` or ``<=``), which options it takes (typed and range-checked) and which fixtures it reads
+(a keyword may name another fixture, e.g. ``scenarios="night_scenarios"``).
+
+:func:`parse_marker` runs at collection and raises :class:`MarkerError` naming the test, the
+marker, the argument and the fix. :func:`evaluate` runs after the test body passed; the metric
+itself is computed by an engine, never here. This module imports no torch at import time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .config import Settings, parse_setting
+from .errors import ConfigError, DnnSafetyError, MarkerError, MetricError
+from .results import GateResult, Measurement, format_number
+
+__all__ = ["Param", "GateDef", "GateSpec", "GATES", "parse_marker", "evaluate", "COMMON_SETTINGS"]
+
+_NO_DEFAULT = object()
+
+#: Settings every gate accepts as a marker keyword (they win over CLI, env and ini).
+COMMON_SETTINGS = ("seed", "device", "batch_size")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One keyword option of a gate marker."""
+
+    name: str
+    types: tuple[type, ...]
+    default: Any
+    check: Callable[[Any], str | None] | None = None
+    doc: str = ""
+
+    def validate(self, value: Any) -> str | None:
+        if isinstance(value, bool) and bool not in self.types:
+            return f"expected {self._type_names()}, got a bool"
+        if not isinstance(value, self.types):
+            return f"expected {self._type_names()}, got {type(value).__name__} {value!r}"
+        return self.check(value) if self.check else None
+
+    def _type_names(self) -> str:
+        names = {int: "int", float: "float", str: "str", dict: "dict", bool: "bool", type(None): "None"}
+        return " or ".join(names.get(t, t.__name__) for t in self.types)
+
+
+@dataclass(frozen=True)
+class GateDef:
+    """The definition of one gate marker."""
+
+    marker: str
+    metric: str
+    op: str  # ">=" or "<="
+    threshold_range: tuple[float, float]
+    params: tuple[Param, ...]
+    fixtures: Mapping[str, str]  # keyword -> default fixture name
+    measure: Callable[["GateSpec", Mapping[str, Any], "GateContext"], Measurement]
+    doc: str
+
+    def signature(self) -> str:
+        parts = ["threshold"]
+        parts += [f"{p.name}={p.default!r}" for p in self.params]
+        parts += [f"{kw}={name!r}" for kw, name in self.fixtures.items()]
+        return f"{self.marker}({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """A validated gate marker on one test."""
+
+    marker: str
+    threshold: float
+    options: Mapping[str, Any]
+    fixtures: Mapping[str, str]  # role -> fixture name to request
+    settings: Mapping[str, Any] = field(default_factory=dict)  # marker overrides of COMMON_SETTINGS
+
+    @property
+    def definition(self) -> GateDef:
+        return GATES[self.marker]
+
+
+@dataclass
+class GateContext:
+    """What a gate may use besides its fixtures: resolved settings for this gate."""
+
+    settings: Settings
+    seed: int
+    device: str
+    batch_size: int
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def _in_range(lo: float, hi: float) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, float) and math.isnan(value):
+            return "is NaN"
+        if not lo <= value <= hi:
+            return f"{value!r} is outside [{lo}, {hi}]"
+        return None
+
+    return check
+
+
+def _check_where(value: Any) -> str | None:
+    if value is None:
+        return None
+    for key, val in value.items():
+        if not isinstance(key, str):
+            return f"keys must be condition names (str), got {key!r}"
+        values = val if isinstance(val, (list, tuple)) else [val]
+        if not values or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
+            return f"values of {key!r} must be a value or a non-empty list of values, got {val!r}"
+    return None
+
+
+def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> GateSpec:
+    """Validate one gate marker's arguments; ``where`` names the test for the error message."""
+    gate = GATES[name]
+
+    def fail(argument: str, problem: str, fix: str) -> MarkerError:
+        return MarkerError(f"{where}: @pytest.mark.{name}: argument {argument}: {problem}. Fix: {fix}.")
+
+    kwargs = dict(kwargs)
+    if len(args) > 1:
+        return _raise(fail("*args", f"takes one positional argument (the threshold), got {len(args)}",
+                           f"pass options by keyword: {gate.signature()}"))
+    if args and "threshold" in kwargs:
+        return _raise(fail("threshold", "given both positionally and by keyword", "give it once"))
+    if not args and "threshold" not in kwargs:
+        return _raise(fail("threshold", "missing", f"write @pytest.mark.{gate.signature()}"))
+    threshold = args[0] if args else kwargs.pop("threshold")
+    lo, hi = gate.threshold_range
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        return _raise(fail("threshold", f"expected a number, got {type(threshold).__name__} {threshold!r}",
+                           f"use a number in [{lo}, {hi}]"))
+    problem = _in_range(lo, hi)(threshold)
+    if problem:
+        return _raise(fail("threshold", problem, f"use a number in [{lo}, {hi}]"))
+
+    params = {p.name: p for p in gate.params}
+    options: dict[str, Any] = {}
+    fixtures = dict(gate.fixtures)
+    overrides: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in params:
+            problem = params[key].validate(value)
+            if problem:
+                return _raise(fail(key, problem, params[key].doc or f"see {gate.signature()}"))
+            options[key] = value
+        elif key in gate.fixtures:
+            if not isinstance(value, str) or not value.isidentifier():
+                return _raise(fail(key, f"must name a fixture (an identifier string), got {value!r}",
+                                   f"write {key}=\"my_fixture\" and define that fixture"))
+            fixtures[key] = value
+        elif key in COMMON_SETTINGS:
+            try:
+                parse_setting(key, value, f"marker @pytest.mark.{name}({key}=...)")
+            except ConfigError as exc:
+                return _raise(fail(key, str(exc).split(". Fix: ")[0], str(exc).split(". Fix: ")[-1].rstrip(".")))
+            overrides[key] = value
+        else:
+            allowed = sorted([*params, *gate.fixtures, *COMMON_SETTINGS])
+            return _raise(fail(key, "unknown keyword", f"use one of {', '.join(allowed)}"))
+    for param in gate.params:
+        options.setdefault(param.name, param.default)
+    return GateSpec(name, float(threshold), options, fixtures, overrides)
+
+
+def _raise(error: Exception) -> Any:
+    raise error
+
+
+# ------------------------------------------------------------------------------------- evaluation
+
+
+def context_for(spec: GateSpec, settings: Settings) -> GateContext:
+    resolved = {k: settings.get(k, spec.settings[k], marker=spec.marker) if k in spec.settings else settings.get(k)
+                for k in COMMON_SETTINGS}
+    return GateContext(settings, resolved["seed"].value, resolved["device"].value, resolved["batch_size"].value)
+
+
+def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settings, nodeid: str,
+             cache: dict[str, Any] | None = None) -> GateResult:
+    """Measure the gate's metric and compare it with the threshold; never raises for metric errors."""
+    gate = spec.definition
+    start = time.perf_counter()
+    result = GateResult(nodeid=nodeid, marker=spec.marker, metric=gate.metric, threshold=spec.threshold,
+                        op=gate.op, status="error")
+    try:
+        ctx = context_for(spec, settings)
+        if cache is not None:
+            ctx.cache = cache
+        result.device = str(ctx.device)
+        measurement = gate.measure(spec, fixture_values, ctx)
+        compared = measurement.bound if measurement.bound is not None else measurement.value
+        if compared is None or not math.isfinite(float(compared)):
+            raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
+    except DnnSafetyError as exc:
+        result.summary = f"{spec.marker}: cannot compute {gate.metric}: {exc}"
+        result.details = {"error": str(exc), "error_type": type(exc).__name__}
+        result.seconds = time.perf_counter() - start
+        return result
+    ok = compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold
+    shown_op = gate.op if ok else ("<" if gate.op == ">=" else ">")
+    label = "" if measurement.bound is None else " (bound)"
+    result.value = float(measurement.value)
+    result.bound = None if measurement.bound is None else float(measurement.bound)
+    result.passed = bool(ok)
+    result.status = "passed" if ok else "failed"
+    result.details = dict(measurement.details)
+    detail = f" ({measurement.detail})" if measurement.detail else ""
+    result.summary = (f"{spec.marker}: {format_number(compared)}{label} {shown_op} "
+                      f"{format_number(spec.threshold)}{detail}")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# ------------------------------------------------------------------------------------- the gates
+
+
+def _measure_scene_coverage(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Scenario k-projection coverage (Cheng et al. 2018, §II-A, eq. 1), via ScenarioTable.coverage."""
+    from .scenarios import ScenarioTable
+
+    table = fx["scenarios"]
+    if not isinstance(table, ScenarioTable):
+        raise MetricError(
+            f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, not a ScenarioTable. "
+            "Fix: return pytest_dnnsafety.ScenarioTable(Conditions(domains, restrictions), rows)"
+        )
+    opts = spec.options
+    res = table.coverage(k=opts["k"], min_count=opts["min_count"], where=opts["where"], seed=ctx.seed)
+    return Measurement(value=res.value, detail=res.detail(), details=res.to_details())
+
+
+GATES: dict[str, GateDef] = {
+    gate.marker: gate
+    for gate in [
+        GateDef(
+            marker="min_scene_coverage",
+            metric="scenario k-projection coverage",
+            op=">=",
+            threshold_range=(0.0, 1.0),
+            params=(
+                Param("k", (int,), 2, _in_range(1, 3), "use k = 1, 2 or 3"),
+                Param("min_count", (int,), 1, _in_range(1, 10**9),
+                      "use a positive integer: a cell counts as covered with at least min_count rows"),
+                Param("where", (dict, type(None)), None, _check_where,
+                      "use a dict of condition -> value or list of values, e.g. where={'lighting': 'night'}"),
+            ),
+            fixtures={"scenarios": "scenario_table"},
+            measure=_measure_scene_coverage,
+            doc="fail unless the scenario table covers at least `threshold` of all feasible k-way "
+                "combinations of operating-condition values (Cheng et al. 2018, eq. 1)",
+        ),
+    ]
+}

@@ -1,0 +1,70 @@
+"""The run's environment for the evidence file: versions, device, seed, digests of inputs.
+
+Versions are read from package metadata, so the controller of an xdist run needs no torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+from .._version import __version__
+
+__all__ = ["environment", "file_digest", "package_version"]
+
+#: Settings whose files are fingerprinted in the evidence.
+DIGESTED = ("model", "data", "scenarios", "conditions", "operational_data")
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def file_digest(path: Path) -> str:
+    """``sha256:<hex>`` of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def environment(settings: Any, devices: Iterable[str], workers: int) -> dict[str, Any]:
+    """A JSON-able description of what was evaluated, where and how."""
+    inputs: dict[str, Any] = {}
+    for name in DIGESTED:
+        try:
+            resolved = settings.get(name)
+        except Exception as exc:  # a bad setting already failed the run; still write evidence
+            inputs[name] = {"error": str(exc)}
+            continue
+        if resolved.value is None:
+            continue
+        entry: dict[str, Any] = {"spec": str(resolved.value), "source": resolved.source}
+        if not resolved.is_factory:
+            path = settings.path(resolved)
+            entry["path"] = str(path)
+            entry["digest"] = file_digest(path) if path.is_file() else None
+        inputs[name] = entry
+    device_list = sorted(set(d for d in devices if d))
+    return {
+        "pytest_dnnsafety": __version__,
+        "torch": package_version("torch"),
+        "numpy": package_version("numpy"),
+        "pytest": package_version("pytest"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": ",".join(device_list) if device_list else str(settings.get("device").value),
+        "seed": settings.get("seed").value,
+        "workers": workers,
+        "inputs": inputs,
+        "cwd": os.getcwd(),
+    }

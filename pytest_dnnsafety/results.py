@@ -1,0 +1,80 @@
+"""The typed records a gate produces; reports render them and never recompute them.
+
+A :class:`GateResult` crosses pytest-xdist workers as a JSON string (only plain str/int/float/bool
+values inside), so the controller sees exactly what the worker measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Measurement", "GateResult", "STATUSES", "format_number"]
+
+#: passed / failed: the metric was computed and compared; error: it could not be computed;
+#: not-evaluated: the test body failed or was skipped, so the gate never ran.
+STATUSES = ("passed", "failed", "error", "not-evaluated")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What an engine hands a gate: the value, an optional statistical bound, and details.
+
+    ``bound`` is the quantity the gate compares when present (e.g. an upper confidence bound);
+    ``detail`` is the short human text shown after the comparison; ``details`` is JSON-able.
+    """
+
+    value: float
+    detail: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    bound: float | None = None
+
+
+def format_number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.3e}"
+    return f"{value:.3f}"
+
+
+@dataclass
+class GateResult:
+    """One gate's outcome for one test."""
+
+    nodeid: str
+    marker: str
+    metric: str
+    threshold: float
+    op: str  # ">=" (value must reach threshold) or "<=" (value must stay below)
+    status: str
+    value: float | None = None
+    bound: float | None = None
+    passed: bool | None = None
+    summary: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    device: str = ""
+
+    @property
+    def compared(self) -> float | None:
+        """The number compared with the threshold: the bound when there is one."""
+        return self.bound if self.bound is not None else self.value
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), allow_nan=True, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GateResult":
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "GateResult":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,64 @@
+"""Shared fixtures for pytest-dnnsafety's own tests."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+#: The paper's Fig. 2 operating conditions (Cheng et al. 2018, §II-A).
+FIG2_CONDITIONS = """\
+[conditions]
+weather = ["sunny", "cloudy", "rainy"]
+road = ["stone", "mud", "tarmac"]
+orientation = ["straight", "curvy"]
+"""
+
+#: Two rows: 6 of 21 two-way cells covered (Fig. 2).
+FIG2_SCENARIOS = """\
+weather,road,orientation
+sunny,stone,straight
+rainy,tarmac,curvy
+"""
+
+JUNIT_XSD = Path(__file__).parent / "data" / "junit.xsd"
+
+
+class GateProject:
+    """A throw-away user project inside pytester: ini options, data files, test modules."""
+
+    def __init__(self, pytester: pytest.Pytester) -> None:
+        self.pytester = pytester
+        self.ini: dict[str, str] = {
+            "dnnsafety_scenarios": "data/scenarios.csv",
+            "dnnsafety_conditions": "data/conditions.toml",
+            "dnnsafety_seed": "1234",
+        }
+        self.write("data/conditions.toml", FIG2_CONDITIONS)
+        self.write("data/scenarios.csv", FIG2_SCENARIOS)
+
+    def write(self, relpath: str, text: str) -> Path:
+        path = self.pytester.path / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    def tests(self, source: str, name: str = "test_gates.py") -> Path:
+        return self.write(name, source)
+
+    def finish(self) -> None:
+        lines = "\n".join(f'{key} = "{value}"' for key, value in self.ini.items())
+        self.write("pyproject.toml", f"[tool.pytest.ini_options]\n{lines}\n")
+
+    def run(self, *args: str, subprocess: bool = False) -> pytest.RunResult:
+        self.finish()
+        args = ("-p", "no:cacheprovider", "-p", "no:randomly", *args)
+        if subprocess:
+            return self.pytester.runpytest_subprocess(*args)
+        return self.pytester.runpytest(*args)
+
+
+@pytest.fixture
+def gate_project(pytester: pytest.Pytester) -> GateProject:
+    return GateProject(pytester)
