@@ -1,0 +1,81 @@
+"""Dependability gates for the digits_demo classifier.
+
+Evidence for the safety case of the digit reader: does the evaluation data exercise the
+operating conditions we claim to support (lighting, blur, rotation, sensor noise; see
+``data/conditions.toml`` and README.md), and does the model meet its accuracy target there?
+
+The model, evaluation data, scenario table and conditions are configured in ``pyproject.toml``
+and regenerated deterministically by ``python -m digits_demo.train``. Thresholds were set from
+the measured values of that run (recorded in each docstring) minus a margin, so that a gate
+fails when the data or the conditions model regress, not on noise.
+"""
+
+import pytest
+import torch
+
+# Size of the reviewed conditions model: 4 lighting + 3 blur + 3 rotation + 3 noise values,
+# and 63 value pairs of which 2 (bright or normal light with high noise) are impossible.
+CONDITION_VALUES = 13
+FEASIBLE_PAIRS = 61
+
+
+@pytest.mark.min_scene_coverage(1.0, k=1)
+def test_every_condition_value_is_exercised(scenario_table):
+    """Every value of every operating condition occurs at least once in the evaluation data.
+
+    Requirement: no declared operating condition may go entirely untested. Measured: 13/13.
+    """
+    assert scenario_table.coverage(k=1).total == CONDITION_VALUES
+
+
+@pytest.mark.min_scene_coverage(0.8, k=2)
+def test_data_covers_pairs_of_operating_conditions(scenario_table):
+    """The evaluation data covers at least 80% of all feasible 2-way combinations of conditions.
+
+    Measured: 57/61 = 0.934. Known holes from the recording campaign, accepted for now:
+    night x heavy blur, bright x heavy blur, and high noise with a tilted (+-15 degree) view.
+    The impossible pairs (bright/normal light with high sensor noise) are not counted.
+    """
+    assert scenario_table.coverage(k=2).total == FEASIBLE_PAIRS
+
+
+@pytest.mark.min_scene_coverage(0.75, k=3)
+def test_data_covers_triples_of_operating_conditions(scenario_table):
+    """The evaluation data covers at least 75% of all feasible 3-way combinations of conditions.
+
+    Interactions of three conditions (e.g. dim light, light blur and a tilted view) are where
+    perception failures hide. Measured: 102/123 = 0.829; the 21 uncovered triples all extend
+    the four known 2-way holes.
+    """
+
+
+def test_night_conditions_are_covered(scenario_table):
+    """At night, the evaluation data still covers at least 60% of the 2-way combinations of the
+    remaining conditions (blur, rotation, noise).
+
+    Night is the hardest lighting condition for the reader, so it gets its own bound. Measured:
+    19/27 = 0.704 (no heavy blur at night; high noise only with a level view).
+    """
+    night = scenario_table.coverage(k=2, where={"lighting": "night"})
+    assert night.value >= 0.6, f"night 2-way coverage {night.value:.3f}; uncovered: {night.uncovered}"
+
+
+def test_accuracy_under_operating_conditions(model, dataset):
+    """Top-1 accuracy on the evaluation data, every image rendered under its operating scenario,
+    is at least 90%.
+
+    Requirement derived from the system-level error budget of the digit reader. Measured: 0.941
+    (0.985 on the same images without conditions; 0.816 at night).
+    """
+    device = next(model.parameters()).device
+    loader = torch.utils.data.DataLoader(dataset, batch_size=256, shuffle=False)
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            pred = model(x.to(device)).argmax(dim=1).cpu()
+            correct += (pred == y).sum().item()
+            total += y.numel()
+    assert total == len(dataset)
+    accuracy = correct / total
+    assert accuracy >= 0.90, f"accuracy {accuracy:.4f} ({correct}/{total}) below 0.90"
