@@ -217,7 +217,7 @@ class Settings:
         cli = self._cli_value(setting)
         if cli is not None:
             return cli, f"command-line option {setting.cli}", self._invocation_dir
-        if setting.env in self._env:
+        if self._env.get(setting.env, "").strip():  # an empty variable counts as unset, like an empty ini value
             return self._env[setting.env], f"environment variable {setting.env}", self._invocation_dir
         ini = self._ini(setting.ini)
         if ini not in (None, "", []):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import warnings
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,11 @@ def import_factory(spec: str, source: str, search_dir: Path | None = None) -> Ca
             f"{spec!r} (from {source}): cannot import module {module_name!r}: {exc}. Fix: make the "
             "module importable (install it, or add its folder to `pythonpath` in your pytest ini)."
         ) from exc
+    except Exception as exc:  # the user's module itself raised while importing
+        raise ConfigError(
+            f"{spec!r} (from {source}): importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}. Fix: the error is in that module."
+        ) from exc
     obj: Any = module
     for part in attr_path.split("."):
         if not hasattr(obj, part):
@@ -114,7 +120,11 @@ def load_model(settings: Settings, device: torch.device) -> Any:
         path = _existing_file(settings, resolved)
         model = _load_model_file(path, resolved, settings, factory_setting)
     if isinstance(model, torch.nn.Module):
-        model = model.to(device).eval()
+        model = model.to(device)
+        try:
+            model = model.eval()
+        except NotImplementedError:
+            pass  # a torch.export program: its train/eval behaviour was fixed when it was exported
     elif not callable(model):
         raise ModelLoadError(
             f"dnnsafety_model={resolved.value!r} (from {resolved.source}) gave a "
@@ -131,7 +141,11 @@ def _load_model_file(path: Path, resolved: Resolved, settings: Settings, factory
         except Exception as exc:  # torch raises many types for a bad archive
             raise ModelLoadError(f"{where}: not a loadable torch.export program: {exc}") from exc
     if _is_torchscript(path):
-        return torch.jit.load(str(path), map_location="cpu")
+        with warnings.catch_warnings():
+            # TorchScript is deprecated upstream but still a supported model format here; its
+            # DeprecationWarning must not break users who run with -W error.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torch.jit.load(str(path), map_location="cpu")
     allow_pickle = settings.value("allow_pickle")
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=not allow_pickle)
@@ -163,12 +177,17 @@ def _load_model_file(path: Path, resolved: Resolved, settings: Settings, factory
                 "not a torch.nn.Module."
             )
         state = obj.get("state_dict", obj) if isinstance(obj.get("state_dict"), Mapping) else obj
-        result = module.load_state_dict(state, strict=False)
+        fix = "Fix: point dnnsafety_model_factory at the architecture the weights were saved from."
+        try:
+            result = module.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # shape mismatches raise even with strict=False
+            raise ModelLoadError(
+                f"{where}: state dict does not fit the module from {factory.value!r}: {exc}. {fix}"
+            ) from exc
         if result.missing_keys or result.unexpected_keys:
             raise ModelLoadError(
                 f"{where}: state dict does not fit the module from {factory.value!r}: missing "
-                f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}. Fix: "
-                "point dnnsafety_model_factory at the architecture the weights were saved from."
+                f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}. {fix}"
             )
         return module
     if isinstance(obj, torch.nn.Module) or callable(obj):
@@ -262,12 +281,12 @@ def _read_array_file(path: Path, what: str) -> Any:
 
         try:
             loaded = np.load(path, allow_pickle=False)
+            if suffix == ".npy":
+                return loaded
+            with loaded:  # an .npz reads (and refuses object arrays) key by key
+                return {key: loaded[key] for key in loaded.files}
         except ValueError as exc:
             raise DataError(f"{what}: {path} holds pickled objects, which are refused: {exc}") from exc
-        if suffix == ".npy":
-            return loaded
-        with loaded:
-            return {key: loaded[key] for key in loaded.files}
     if suffix in (".pt", ".pth"):
         try:
             return torch.load(str(path), map_location="cpu", weights_only=True)
@@ -305,9 +324,9 @@ def load_operational_data(settings: Settings) -> torch.Tensor:
 
 def load_scenario_table(settings: Settings) -> Any:
     """The scenario table from ``dnnsafety_scenarios`` (CSV) and ``dnnsafety_conditions`` (TOML)."""
+    scen = settings.require("scenarios", "the scenario table")
     from .scenarios import Conditions, ScenarioTable
 
-    scen = settings.require("scenarios", "the scenario table")
     if scen.is_factory:
         table = import_factory(scen.value, scen.source, settings.ini_dir)()
         if not isinstance(table, ScenarioTable):

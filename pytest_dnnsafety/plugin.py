@@ -140,6 +140,12 @@ class DnnSafetyPlugin:
         self.evidence_path: Path | None = None
         self.environment: dict[str, Any] | None = None
 
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        configured = [f"{name}={self.settings.get(name).value}" for name in ("model", "data", "scenarios", "device",
+                                                                              "seed")
+                      if self.settings.get(name).source != "default"]
+        return f"dnnsafety: {', '.join(configured)}" if configured else None
+
     # -- collection: validate every gate marker; a bad one is a collection error of its module
 
     def _prepare(self, item: pytest.Item) -> list[GateSpec]:
