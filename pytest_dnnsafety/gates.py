@@ -184,9 +184,13 @@ def _raise(error: Exception) -> Any:
 
 
 def context_for(spec: GateSpec, settings: Settings) -> GateContext:
+    """Settings for one gate, marker keywords first; the device is resolved (``auto`` → cuda/cpu)."""
+    from .loading import resolve_device
+
     resolved = {k: settings.get(k, spec.settings[k], marker=spec.marker) if k in spec.settings else settings.get(k)
                 for k in COMMON_SETTINGS}
-    return GateContext(settings, resolved["seed"].value, resolved["device"].value, resolved["batch_size"].value)
+    device = str(resolve_device(resolved["device"]))
+    return GateContext(settings, resolved["seed"].value, device, resolved["batch_size"].value)
 
 
 def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settings, nodeid: str,

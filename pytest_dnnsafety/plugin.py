@@ -14,7 +14,6 @@ section, the JSON evidence and the JUnit additions.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -137,6 +136,7 @@ class DnnSafetyPlugin:
         self.results: dict[str, list[GateResult]] = {}
         self.outcomes: dict[str, str] = {}
         self.lost: list[str] = []
+        self.order: dict[str, int] = {}
         self.evidence_path: Path | None = None
         self.environment: dict[str, Any] | None = None
 
@@ -182,8 +182,14 @@ class DnnSafetyPlugin:
                 report.result = []
         return report
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        if not self.order:  # every worker collects the same ids
+            self.order = {nodeid: i for i, nodeid in enumerate(ids)}
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.order = {item.nodeid: i for i, item in enumerate(items)}
         for item in items:  # markers added after collection (e.g. item.add_marker in a conftest)
             if _SPECS not in item.stash or any(m.name in GATES for m in item.iter_markers()):
                 try:
@@ -248,7 +254,9 @@ class DnnSafetyPlugin:
     def all_results(self) -> list[GateResult]:
         """Every gate of the run, with a not-evaluated row for each gate that never reported."""
         rows: list[GateResult] = []
-        for nodeid, markers in self.expected.items():
+        # Collection order, whatever order xdist workers reported in.
+        ordered = sorted(self.expected.items(), key=lambda kv: (self.order.get(kv[0], len(self.order)), kv[0]))
+        for nodeid, markers in ordered:
             got = self.results.get(nodeid)
             if got:
                 rows.extend(got)
@@ -273,10 +281,9 @@ class DnnSafetyPlugin:
         if self.lost and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         rows = self.all_results()
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
         numprocesses = getattr(self.config.option, "numprocesses", None)
-        if not workers and isinstance(numprocesses, int):
-            workers = numprocesses
+        distributed = getattr(self.config.option, "dist", "no") != "no"
+        workers = numprocesses if distributed and isinstance(numprocesses, int) else 0
         self.environment = report.environment(self.settings, (r.device for r in rows), workers)
         json_setting = self.settings.get("json")
         if json_setting.value is not None:

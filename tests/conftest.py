@@ -6,6 +6,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  - imported once here: in-process pytester runs must not re-import torch
+
+import pytest_dnnsafety.scenarios  # noqa: F401  - likewise kept across in-process runs
 
 #: The paper's Fig. 2 operating conditions (Cheng et al. 2018, §II-A).
 FIG2_CONDITIONS = """\

@@ -24,27 +24,34 @@ def header_line(env: dict[str, Any]) -> str:
 
 
 def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else "…" + text[-(width - 1):]
+    return text if len(text) <= width else text[: max(width - 1, 1)] + "…"
 
 
 def render_table(results: Sequence[GateResult], width: int = 120) -> list[tuple[str, dict[str, bool]]]:
-    """Rows as (text, markup) pairs; the verdict column carries the colour."""
+    """Rows as (text, markup) pairs, grouped under their test file; the verdict carries the colour."""
     head = ("test", "metric", "value", "bound", "threshold", "verdict")
-    rows = []
+    cells = []
     for r in results:
         verdict, markup = VERDICTS.get(r.status, (r.status.upper(), {}))
         threshold = f"{'≥' if r.op == '>=' else '≤'} {format_number(r.threshold)}"
-        rows.append(((r.nodeid, r.marker, format_number(r.value), format_number(r.bound), threshold, verdict),
-                     markup))
-    fixed = [max(len(head[i]), *(len(row[i]) for row, _ in rows)) for i in range(1, 6)]
-    test_width = max(len(head[0]), min(max(len(row[0]) for row, _ in rows), width - sum(fixed) - 10, 70))
-    widths = [test_width, *fixed]
+        path, _, name = r.nodeid.partition("::")
+        cells.append((path, ("  " + (name or path), r.marker, format_number(r.value), format_number(r.bound),
+                             threshold, verdict), markup))
+    fixed = [max(len(head[i]), *(len(row[i]) for _, row, _ in cells)) for i in range(1, 6)]
+    # Test names are never cut (a reader must find the test); only pathological ones are.
+    room = max(width - sum(fixed) - 2 * 5 - 1, 100)
+    widths = [min(max(len(head[0]), *(len(row[0]) for _, row, _ in cells)), room), *fixed]
 
-    def line(cells: Sequence[str]) -> str:
-        first = _shorten(cells[0], widths[0]).ljust(widths[0])
-        rest = [cells[1].ljust(widths[1]), *(c.rjust(w) for c, w in zip(cells[2:5], widths[2:5])), cells[5]]
+    def line(row: Sequence[str]) -> str:
+        first = _shorten(row[0], widths[0]).ljust(widths[0])
+        rest = [row[1].ljust(widths[1]), *(c.rjust(w) for c, w in zip(row[2:5], widths[2:5])), row[5]]
         return "  ".join([first, *rest])
 
     out: list[tuple[str, dict[str, bool]]] = [(line(head), {"bold": True})]
-    out += [(line(row), markup) for row, markup in rows]
+    current = None
+    for path, row, markup in cells:
+        if path != current:
+            out.append((path, {}))
+            current = path
+        out.append((line(row), markup))
     return out

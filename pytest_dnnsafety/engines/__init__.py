@@ -1,0 +1,20 @@
+"""Metric engines: pure torch, no pytest import (see :class:`~pytest_dnnsafety.engines.base.Engine`)."""
+
+from __future__ import annotations
+
+from pytest_dnnsafety.engines.base import Engine, Reduce
+from pytest_dnnsafety.engines.scenario import (
+    MAX_CELLS,
+    ProjectionLayout,
+    ScenarioCoverageEngine,
+    ScenarioCoverageOutput,
+)
+
+__all__ = [
+    "Engine",
+    "Reduce",
+    "MAX_CELLS",
+    "ProjectionLayout",
+    "ScenarioCoverageEngine",
+    "ScenarioCoverageOutput",
+]
