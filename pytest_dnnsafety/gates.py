@@ -23,7 +23,13 @@ from .results import GateResult, Measurement, format_number
 
 __all__ = ["Param", "GateDef", "GateSpec", "GATES", "parse_marker", "evaluate", "COMMON_SETTINGS"]
 
-_NO_DEFAULT = object()
+class _Required:
+    def __repr__(self) -> str:
+        return "..."
+
+
+#: Default of a keyword the user must give (e.g. ``layer=...``).
+REQUIRED: Any = _Required()
 
 #: Settings every gate accepts as a marker keyword (they win over CLI, env and ini).
 COMMON_SETTINGS = ("seed", "device", "batch_size")
@@ -63,6 +69,8 @@ class GateDef:
     fixtures: Mapping[str, str]  # keyword -> default fixture name
     measure: Callable[["GateSpec", Mapping[str, Any], "GateContext"], Measurement]
     doc: str
+    #: role -> option: the role's fixture is requested only when that option is set (not None)
+    conditional: Mapping[str, str] = field(default_factory=dict)
 
     def signature(self) -> str:
         parts = ["threshold"]
@@ -172,7 +180,12 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
             allowed = sorted([*params, *gate.fixtures, *COMMON_SETTINGS])
             return _raise(fail(key, "unknown keyword", f"use one of {', '.join(allowed)}"))
     for param in gate.params:
+        if param.name not in options and param.default is REQUIRED:
+            return _raise(fail(param.name, "missing", f"write @pytest.mark.{gate.signature()}; {param.doc}"))
         options.setdefault(param.name, param.default)
+    for role, option in gate.conditional.items():
+        if options.get(option) is None and role not in kwargs:
+            fixtures.pop(role)
     return GateSpec(name, float(threshold), options, fixtures, overrides)
 
 
@@ -247,6 +260,80 @@ def _measure_scene_coverage(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
     return Measurement(value=res.value, detail=res.detail(), details=res.to_details())
 
 
+def _layer_activations(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """The gate's layer activations from the session's cache (one forward pass shared by all gates)."""
+    from .activations import ActivationCache
+
+    cache = ctx.cache.setdefault("activations", ActivationCache())
+    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
+    layer = spec.options["layer"]
+    return cache.get(fx["model"], fx["data"], [layer], batch_size=ctx.batch_size, device=ctx.device,
+                     plan=plan)[layer]
+
+
+def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
+    from .engines.neurons import NeuronKActivationEngine
+
+    opts = spec.options
+    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
+    engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"], activation_threshold=opts["activation_threshold"],
+                                     device=acts.device)
+    engine.update(acts)
+    res = engine.compute()
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
+
+
+def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
+    from .engines.neurons import NeuronPatternEngine
+    from .scenarios import ScenarioTable
+
+    opts = spec.options
+    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
+    scope = "all inputs"
+    if opts["where"] is not None:
+        table = fx["scenarios"]
+        if not isinstance(table, ScenarioTable):
+            raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
+                              "not a ScenarioTable; `where` needs the scenario table")
+        if len(table) != acts.shape[0]:
+            raise MetricError(
+                f"the scenario table has {len(table)} rows but the data has {acts.shape[0]} samples; row i of "
+                "the scenario table must describe sample i of the data. Fix: align the two files")
+        mask = table.row_mask(opts["where"]).to(acts.device)
+        acts = acts[mask]
+        scope = ", ".join(f"{k}={v}" for k, v in opts["where"].items())
+        if acts.shape[0] == 0:
+            raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
+    engine = NeuronPatternEngine(acts.shape[1], groups=opts["groups"],
+                                 activation_threshold=opts["activation_threshold"], device=acts.device)
+    engine.update(acts)
+    res = engine.compute()
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], "where": opts["where"], **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)
+
+
+def _is_layer(value: Any) -> str | None:
+    return None if value else "must be a non-empty module name such as 'features.3'"
+
+
+def _is_reduce(value: Any) -> str | None:
+    return None if value in ("max", "mean") else f"{value!r} is not one of 'max', 'mean'"
+
+
+def _is_finite(value: Any) -> str | None:
+    return None if math.isfinite(value) else f"{value!r} is not finite"
+
+
+_LAYER = Param("layer", (str,), REQUIRED, _is_layer,
+               "name the layer as in model.named_modules(), e.g. layer='features.3'")
+_ACT_THRESHOLD = Param("activation_threshold", (int, float), 0.0, _is_finite,
+                       "a neuron is on when its activation is above this number (default 0: ReLU fires)")
+_REDUCE = Param("reduce", (str,), "max", _is_reduce,
+                "use 'max' or 'mean': how a conv channel's feature map becomes one activation")
+
 GATES: dict[str, GateDef] = {
     gate.marker: gate
     for gate in [
@@ -266,6 +353,32 @@ GATES: dict[str, GateDef] = {
             measure=_measure_scene_coverage,
             doc="fail unless the scenario table covers at least `threshold` of all feasible k-way "
                 "combinations of operating-condition values (Cheng et al. 2018, eq. 1)",
+        ),
+        GateDef(
+            marker="min_neuron_k_activation",
+            metric="neuron k-activation coverage",
+            op=">=",
+            threshold_range=(0.0, 1.0),
+            params=(_LAYER, Param("k", (int,), 2, _in_range(1, 3), "use k = 1, 2 or 3"), _ACT_THRESHOLD, _REDUCE),
+            fixtures={"model": "model", "data": "dataset"},
+            measure=_measure_neuron_k_activation,
+            doc="fail unless the data shows at least `threshold` of all on/off patterns of every k-tuple of "
+                "neurons in `layer` (Cheng et al. 2018, eq. 2)",
+        ),
+        GateDef(
+            marker="max_neuron_pattern_deviation",
+            metric="neuron activation-pattern deviation",
+            op="<=",
+            threshold_range=(0.0, 1.0),
+            params=(_LAYER, Param("groups", (int,), 10, _in_range(1, 10**6), "use a positive number of groups"),
+                    Param("where", (dict, type(None)), None, _check_where,
+                          "use a dict of condition -> value(s) selecting one scenario's inputs"),
+                    _ACT_THRESHOLD, _REDUCE),
+            fixtures={"model": "model", "data": "dataset", "scenarios": "scenario_table"},
+            conditional={"scenarios": "where"},
+            measure=_measure_pattern_deviation,
+            doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
+                "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",
         ),
     ]
 }

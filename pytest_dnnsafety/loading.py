@@ -15,7 +15,7 @@ import pickle
 import warnings
 import sys
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ __all__ = [
     "load_operational_data",
     "load_scenario_table",
     "as_tensors",
+    "iter_batches",
 ]
 
 
@@ -251,6 +252,22 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
         else:
             y = y.long()
     return x, y
+
+
+def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Yield ``(x, y)`` batches (``y`` may be None) from any accepted data form.
+
+    A ``DataLoader`` is iterated as it is (its own batch size wins); tensors, arrays,
+    ``(x, y)`` pairs, dicts and ``TensorDataset`` are sliced into ``batch_size`` rows.
+    """
+    if isinstance(data, torch.utils.data.DataLoader):
+        for batch in data:
+            bx, by = _split_batch(batch)
+            yield torch.as_tensor(bx), (torch.as_tensor(by) if by is not None else None)
+        return
+    x, y = as_tensors(data)
+    for start in range(0, x.shape[0], batch_size):
+        yield x[start:start + batch_size], (y[start:start + batch_size] if y is not None else None)
 
 
 def _is_scalar_list(data: Sequence[Any]) -> bool:

@@ -190,12 +190,19 @@ class DnnSafetyPlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.order = {item.nodeid: i for i, item in enumerate(items)}
-        for item in items:  # markers added after collection (e.g. item.add_marker in a conftest)
+        plan: dict[tuple[str, str], set[str]] = {}
+        for item in items:
+            # Markers added after collection (item.add_marker in a conftest) are validated here too.
             if _SPECS not in item.stash or any(m.name in GATES for m in item.iter_markers()):
                 try:
                     self._prepare(item)
                 except DnnSafetyError as exc:
                     raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
+            for spec in item.stash[_SPECS]:
+                if "layer" in spec.options and "model" in spec.fixtures and "data" in spec.fixtures:
+                    plan.setdefault((spec.fixtures["model"], spec.fixtures["data"]), set()).add(spec.options["layer"])
+        # Every layer the session's gates need from one (model, data) pair is captured in one pass.
+        self.cache["layer_plan"] = {pair: tuple(sorted(layers)) for pair, layers in plan.items()}
 
     # -- running: gates are evaluated after the test body passed
 

@@ -692,6 +692,13 @@ class ScenarioTable:
             selected[i] = tuple(sorted(codes))
         return selected
 
+    def row_mask(self, where: Where) -> Tensor:
+        """A boolean mask over the rows matching ``where``: row *i* is sample *i* of the dataset."""
+        keep = torch.ones(len(self), dtype=torch.bool)
+        for i, chosen in self._resolve_where(where).items():
+            keep &= torch.isin(self.codes[:, i], torch.tensor(chosen, dtype=self.codes.dtype))
+        return keep
+
     def select(self, where: Where) -> ScenarioTable:
         """The rows matching ``where`` (condition → value or values), over narrowed conditions.
 
