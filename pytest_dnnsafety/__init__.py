@@ -15,6 +15,8 @@ from .errors import ConfigError, DataError, DnnSafetyError, MarkerError, MetricE
 from .results import GateResult, Measurement
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .activations import ActivationCache, capture
+    from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
     from .engines.scenario import ScenarioCoverageEngine
     from .scenarios import Conditions, CoverageResult, ScenarioTable
 
@@ -32,6 +34,10 @@ __all__ = [
     "ScenarioTable",
     "CoverageResult",
     "ScenarioCoverageEngine",
+    "NeuronKActivationEngine",
+    "NeuronPatternEngine",
+    "ActivationCache",
+    "capture",
 ]
 
 _LAZY = {
@@ -39,6 +45,10 @@ _LAZY = {
     "ScenarioTable": ".scenarios",
     "CoverageResult": ".scenarios",
     "ScenarioCoverageEngine": ".engines.scenario",
+    "NeuronKActivationEngine": ".engines.neurons",
+    "NeuronPatternEngine": ".engines.neurons",
+    "ActivationCache": ".activations",
+    "capture": ".activations",
 }
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_dnnsafety.engines import Engine, ProjectionLayout, ScenarioCoverageEngine
+from pytest_dnnsafety.engines.base import PAYLOAD_VERSION
 from pytest_dnnsafety.engines.scenario import MAX_CELLS
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 
@@ -334,7 +335,7 @@ def test_engine_is_abstract() -> None:
 
 def test_unknown_payloads_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown engine"):
-        Engine.from_payload({"engine": "nowhere.Engine", "version": 1, "config": {}, "states": {}})
+        Engine.from_payload({"engine": "nowhere.Engine", "version": PAYLOAD_VERSION, "config": {}, "states": {}})
     with pytest.raises(ValueError, match="version"):
         Engine.from_payload({"engine": "x", "version": 99})
     payload = ToyEngine().state_payload()

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from pytest_dnnsafety.engines.base import Engine, Reduce
+from pytest_dnnsafety.engines.neurons import (
+    MAX_NEURON_CELLS,
+    NeuronCoverageResult,
+    NeuronKActivationEngine,
+    NeuronPatternEngine,
+    PatternResult,
+)
 from pytest_dnnsafety.engines.scenario import (
     MAX_CELLS,
     ProjectionLayout,
@@ -17,4 +24,9 @@ __all__ = [
     "ProjectionLayout",
     "ScenarioCoverageEngine",
     "ScenarioCoverageOutput",
+    "MAX_NEURON_CELLS",
+    "NeuronCoverageResult",
+    "NeuronKActivationEngine",
+    "NeuronPatternEngine",
+    "PatternResult",
 ]

@@ -18,10 +18,12 @@ This module imports nothing from pytest.
 from __future__ import annotations
 
 import abc
+import base64
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,7 +33,7 @@ Reduce = Literal["sum", "max", "min", "or", "and"]
 _REDUCES: tuple[str, ...] = ("sum", "max", "min", "or", "and")
 
 #: Version of the layout written by :meth:`Engine.state_payload`.
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2
 
 _E = TypeVar("_E", bound="Engine")
 
@@ -69,31 +71,51 @@ def _decode_float(value: float | int | str) -> float:
 
 
 def _encode_tensor(tensor: Tensor) -> dict[str, object]:
-    """A tensor as ``{"dtype", "shape", "data"}`` made of plain Python values (one host copy)."""
+    """A tensor as ``{"dtype", "shape", ...}`` made of plain JSON-able values (one host copy).
+
+    Bool states (coverage tables can hold 10^8 cells) travel bit-packed and base64-encoded
+    (``"bits"``); other numpy-representable dtypes as base64 of their little-endian bytes
+    (``"bytes"``, exact, non-finite floats included); anything else as a list (``"data"``).
+    """
     flat = tensor.detach().reshape(-1).cpu()
-    data: list[Any]
+    spec: dict[str, object] = {"dtype": _dtype_name(tensor.dtype), "shape": [int(s) for s in tensor.shape]}
     if tensor.dtype == torch.bool:
-        data = [bool(v) for v in flat.tolist()]
-    elif tensor.dtype.is_floating_point:
-        data = [_encode_float(float(v)) for v in flat.to(torch.float64).tolist()]
+        spec["bits"] = base64.b64encode(np.packbits(flat.numpy()).tobytes()).decode("ascii")
+    elif tensor.dtype in (torch.float16, torch.bfloat16):
+        spec["data"] = [_encode_float(float(v)) for v in flat.to(torch.float64).tolist()]
     else:
-        data = [int(v) for v in flat.tolist()]
-    return {"dtype": _dtype_name(tensor.dtype), "shape": [int(s) for s in tensor.shape], "data": data}
+        spec["bytes"] = base64.b64encode(flat.numpy().astype(flat.numpy().dtype.newbyteorder("<")).tobytes()).decode(
+            "ascii")
+    return spec
 
 
 def _decode_tensor(spec: Mapping[str, Any], name: str) -> Tensor:
     try:
         dtype = _DTYPES[str(spec["dtype"])]
         shape = [int(s) for s in spec["shape"]]
-        data = list(spec["data"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"payload state {name!r} is malformed ({exc!r}); expected keys dtype, shape, data") from None
-    if dtype.is_floating_point:
-        data = [_decode_float(v) for v in data]
     numel = math.prod(shape)
-    if len(data) != numel:
-        raise ValueError(f"payload state {name!r} has {len(data)} values but shape {shape} needs {numel}")
-    return torch.tensor(data, dtype=dtype).reshape(shape)
+    if "data" in spec:
+        data = list(spec["data"])
+        if dtype.is_floating_point:
+            data = [_decode_float(v) for v in data]
+        if len(data) != numel:
+            raise ValueError(f"payload state {name!r} has {len(data)} values but shape {shape} needs {numel}")
+        return torch.tensor(data, dtype=dtype).reshape(shape)
+    try:
+        if "bits" in spec:
+            bits = np.unpackbits(np.frombuffer(base64.b64decode(str(spec["bits"])), dtype=np.uint8))
+            if not numel <= bits.size < numel + 8:
+                raise ValueError(f"{bits.size} bits for {numel} values")
+            return torch.from_numpy(bits[:numel].astype(np.bool_)).reshape(shape)
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")
+        array = np.frombuffer(base64.b64decode(str(spec["bytes"])), dtype=np_dtype)
+        if array.size != numel:
+            raise ValueError(f"has {array.size} values but shape {shape} needs {numel}")
+        return torch.from_numpy(array.astype(np_dtype.newbyteorder("="))).reshape(shape)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"payload state {name!r} is malformed: {exc}") from None
 
 
 class Engine(abc.ABC):
