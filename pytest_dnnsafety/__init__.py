@@ -17,7 +17,9 @@ from .results import GateResult, Measurement
 if TYPE_CHECKING:  # pragma: no cover
     from .activations import ActivationCache, capture
     from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
+    from .engines.reliability import ReliabilityResult, assess_reliability
     from .engines.scenario import ScenarioCoverageEngine
+    from .profile import PCA, OperationalProfile
     from .scenarios import Conditions, CoverageResult, ScenarioTable
 
 __all__ = [
@@ -38,6 +40,10 @@ __all__ = [
     "NeuronPatternEngine",
     "ActivationCache",
     "capture",
+    "OperationalProfile",
+    "PCA",
+    "assess_reliability",
+    "ReliabilityResult",
 ]
 
 _LAZY = {
@@ -49,6 +55,10 @@ _LAZY = {
     "NeuronPatternEngine": ".engines.neurons",
     "ActivationCache": ".activations",
     "capture": ".activations",
+    "OperationalProfile": ".profile",
+    "PCA": ".profile",
+    "assess_reliability": ".engines.reliability",
+    "ReliabilityResult": ".engines.reliability",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -218,7 +219,10 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         if cache is not None:
             ctx.cache = cache
         result.device = str(ctx.device)
-        measurement = gate.measure(spec, fixture_values, ctx)
+        with warnings.catch_warnings(record=True) as caught:
+            # An engine's warning (e.g. eps >= r-hat) becomes part of the evidence, not a crash under -W error.
+            warnings.simplefilter("always")
+            measurement = gate.measure(spec, fixture_values, ctx)
         compared = measurement.bound if measurement.bound is not None else measurement.value
         if compared is None or not math.isfinite(float(compared)):
             raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
@@ -235,7 +239,12 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     result.passed = bool(ok)
     result.status = "passed" if ok else "failed"
     result.details = dict(measurement.details)
+    notes = sorted({str(w.message) for w in caught})
+    if notes:
+        result.details["warnings"] = notes
     detail = f" ({measurement.detail})" if measurement.detail else ""
+    if notes:
+        detail += " [warning: " + "; ".join(notes) + "]"
     result.summary = (f"{spec.marker}: {format_number(compared)}{label} {shown_op} "
                       f"{format_number(spec.threshold)}{detail}")
     result.seconds = time.perf_counter() - start
@@ -315,6 +324,65 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)
 
 
+def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Upper confidence bound on the pmi (Zhao et al. 2021, eqs. 1–14) under the operational profile."""
+    from .engines.reliability import assess_reliability
+    from .loading import as_tensors
+
+    opts = dict(spec.options)
+    labelled = as_tensors(fx["data"], f"labelled data (fixture {spec.fixtures['data']!r})")
+    if labelled[1] is None:
+        raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "
+                          "for r-separation and cell labels. Fix: provide (x, y)")
+    box, failures = opts.pop("box"), opts.pop("failures")
+    opts["compare_methods"] = tuple(m for m in opts["compare_methods"] if m != opts["method"])
+    result = assess_reliability(
+        fx["model"], fx["profile"], labelled,
+        box=tuple(box) if box is not None else None,
+        failures=[tuple(pair) for pair in failures] if failures is not None else None,
+        seed=ctx.seed, device=ctx.device, **opts)
+    return Measurement(value=result.E, bound=result.Ub, detail=result.detail(), details=result.to_details())
+
+
+_PMI_METHODS = ("chernoff", "normal", "clopper-pearson", "jeffreys")
+
+
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else f"{value!r} is not one of {', '.join(map(repr, choices))}"
+
+
+def _positive_or_auto(value: Any) -> str | None:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if value == "auto":
+        return None
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+        return f"{value!r} must be 'auto', a positive number or a list of positive numbers"
+    return None
+
+
+def _box(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(c, (list, tuple)) and c and all(isinstance(v, (int, float)) for v in c) for c in value)
+          and len(value[0]) == len(value[1]) and all(lo < hi for lo, hi in zip(*value)))
+    return None if ok else f"{value!r} must be [lower corner, upper corner] with lower < upper in every dimension"
+
+
+def _pairs(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = isinstance(value, (list, tuple)) and value and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(c, int) and not isinstance(c, bool) for c in p)
+        for p in value)
+    return None if ok else f"{value!r} must be a non-empty list of (true class, predicted class) integer pairs"
+
+
+def _methods(value: Any) -> str | None:
+    bad = [m for m in value if m not in _PMI_METHODS]
+    return f"unknown method(s) {bad}; use {', '.join(_PMI_METHODS)}" if bad else None
+
+
 def _is_layer(value: Any) -> str | None:
     return None if value else "must be a non-empty module name such as 'features.3'"
 
@@ -379,6 +447,43 @@ GATES: dict[str, GateDef] = {
             measure=_measure_pattern_deviation,
             doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
                 "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",
+        ),
+        GateDef(
+            marker="max_pmi_ub",
+            metric="pmi upper bound",
+            op="<=",
+            threshold_range=(0.0, 1.0),
+            params=(
+                Param("confidence", (float,), 0.975, _in_range(1e-9, 1 - 1e-9),
+                      "use a confidence strictly between 0 and 1, e.g. 0.975"),
+                Param("method", (str,), "chernoff", _one_of(*_PMI_METHODS),
+                      "chernoff (sound, default), normal (the paper's eq. 7), clopper-pearson or jeffreys"),
+                Param("eps", (int, float, str, list, tuple), "auto", _positive_or_auto,
+                      "cell side: 'auto' (below r-hat), a positive number, or one per dimension"),
+                Param("eps_fraction", (int, float), 1.0, _in_range(1e-9, 1e9), "a positive fraction of r-hat"),
+                Param("box", (list, tuple, type(None)), None, _box,
+                      "box=[[lower...], [upper...]] in profile space; None: the data's range"),
+                Param("samples_per_cell", (int,), 1000, _in_range(1, 10**9), "a positive number of samples"),
+                Param("allocation", (str,), "uniform", _one_of("uniform", "proportional"),
+                      "uniform, or proportional to cell mass"),
+                Param("bootstrap", (int,), 100, _in_range(0, 10**6), "KDE refits for Var(Op); 0 takes masses as known"),
+                Param("bandwidth", (str, int, float, list, tuple, type(None)), None, None,
+                      "'scott', 'silverman', a number or one per dimension"),
+                Param("mass", (str,), "exact", _one_of("exact", "centre"),
+                      "exact box integrals, or centre (the paper's eq. 9)"),
+                Param("mass_target", (int, float), 1.0, _in_range(1e-9, 1.0), "a share of OP mass in (0, 1]"),
+                Param("max_cells", (int, type(None)), None, lambda v: None if v is None or v >= 1 else "must be >= 1",
+                      "a positive cell budget or None"),
+                Param("conservative_rest", (bool,), True, None, "True counts unevaluated mass as failing"),
+                Param("failures", (list, tuple, type(None)), None, _pairs,
+                      "critical confusions as [(true, predicted), ...]; None: any misclassification"),
+                Param("compare_methods", (list, tuple), ("normal",), _methods,
+                      "other methods to report beside the gated one"),
+            ),
+            fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
+            measure=_measure_pmi_ub,
+            doc="fail unless the upper confidence bound on the probability of misclassification per input "
+                "under the operational profile is at most `threshold` (Zhao et al. 2021, eqs. 5-7)",
         ),
     ]
 }

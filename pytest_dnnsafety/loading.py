@@ -30,6 +30,7 @@ __all__ = [
     "load_model",
     "load_dataset",
     "load_operational_data",
+    "load_operational_profile",
     "load_scenario_table",
     "as_tensors",
     "iter_batches",
@@ -337,6 +338,25 @@ def load_operational_data(settings: Settings) -> torch.Tensor:
     """Unlabelled operational inputs (labels, if present, are ignored)."""
     x, _ = _load_data_setting(settings, "operational_data", "operational data")
     return x
+
+
+def load_operational_profile(settings: Settings, device: torch.device) -> Any:
+    """An :class:`~pytest_dnnsafety.profile.OperationalProfile` from ``dnnsafety_operational_data``.
+
+    A ``pkg.module:factory`` may return a ready profile (e.g. one in a PCA latent space) or
+    operational data; a file holds the data. Data gets a Gaussian KDE with Scott's bandwidth.
+    """
+    from .profile import OperationalProfile
+
+    resolved = settings.require("operational_data", "the operational profile")
+    if resolved.is_factory:
+        made = import_factory(resolved.value, resolved.source, settings.ini_dir)()
+        if isinstance(made, OperationalProfile):
+            return made
+        x, _ = as_tensors(made, f"operational data (dnnsafety_operational_data={resolved.value!r})")
+    else:
+        x = load_operational_data(settings)
+    return OperationalProfile(x, device=device)
 
 
 def load_scenario_table(settings: Settings) -> Any:

@@ -115,6 +115,18 @@ def scenario_table(dnnsafety_settings: Settings) -> Any:
         return load_scenario_table(dnnsafety_settings)
 
 
+@pytest.fixture(scope="session")
+def operational_profile(dnnsafety_settings: Settings) -> Any:
+    """The operational profile (a Gaussian KDE) from ``dnnsafety_operational_data``.
+
+    Override in ``conftest.py`` to use a latent space (``OperationalProfile(x, encoder=..., decoder=...)``).
+    """
+    with _setup_errors("operational_profile"):
+        from .loading import load_operational_profile, resolve_device
+
+        return load_operational_profile(dnnsafety_settings, resolve_device(dnnsafety_settings.get("device")))
+
+
 # ---------------------------------------------------------------------------------- the session
 
 

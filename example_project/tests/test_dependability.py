@@ -81,6 +81,19 @@ def test_night_inputs_activate_the_usual_number_of_features(model, dataset):
     """
 
 
+@pytest.mark.max_pmi_ub(0.95, confidence=0.975, eps=0.5, samples_per_cell=200, bootstrap=20)
+def test_probability_of_misclassification_per_input(model, operational_profile, dataset):
+    """Upper bound (97.5%, sound Chernoff method) on the probability of misclassification per
+    input under the operational profile, estimated in the 2-D PCA plane of the operational
+    images (Zhao et al. 2021; cells of side 0.5, 200 decoded samples per cell).
+
+    Measured: E = 0.908, Ub = 0.934. The bound is honest but loose: the ten digit classes overlap
+    in a 2-D PCA plane (r-hat = 0.0017), so 41 of the 150 cells hold several classes and count as
+    always failing. The gate guards the figure against regressions; a tighter claim needs a
+    latent space that separates the classes (an autoencoder, say).
+    """
+
+
 def test_accuracy_under_operating_conditions(model, dataset):
     """Top-1 accuracy on the evaluation data, every image rendered under its operating scenario,
     is at least 90%.

@@ -10,6 +10,7 @@ from pytest_dnnsafety.engines.neurons import (
     NeuronPatternEngine,
     PatternResult,
 )
+from pytest_dnnsafety.engines.reliability import CellTallyEngine, ReliabilityResult, assess_reliability
 from pytest_dnnsafety.engines.scenario import (
     MAX_CELLS,
     ProjectionLayout,
@@ -29,4 +30,7 @@ __all__ = [
     "NeuronKActivationEngine",
     "NeuronPatternEngine",
     "PatternResult",
+    "CellTallyEngine",
+    "ReliabilityResult",
+    "assess_reliability",
 ]
