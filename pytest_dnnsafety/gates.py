@@ -334,13 +334,19 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     if labelled[1] is None:
         raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "
                           "for r-separation and cell labels. Fix: provide (x, y)")
-    box, failures = opts.pop("box"), opts.pop("failures")
-    opts["compare_methods"] = tuple(m for m in opts["compare_methods"] if m != opts["method"])
-    result = assess_reliability(
-        fx["model"], fx["profile"], labelled,
-        box=tuple(box) if box is not None else None,
-        failures=[tuple(pair) for pair in failures] if failures is not None else None,
-        seed=ctx.seed, device=ctx.device, **opts)
+    # Only what the user set reaches the engine (its defaults equal the marker's); grid-only and
+    # ball-only options then never collide.
+    defaults = {param.name: param.default for param in spec.definition.params}
+    given = {k: v for k, v in opts.items() if v != defaults[k]}
+    for key in ("box", "clip"):
+        if given.get(key) is not None:
+            given[key] = tuple(given[key])
+    if given.get("failures") is not None:
+        given["failures"] = [tuple(pair) for pair in given["failures"]]
+    compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
+    given.pop("compare_methods", None)
+    result = assess_reliability(fx["model"], fx["profile"], labelled, compare_methods=compare,
+                                seed=ctx.seed, device=ctx.device, **given)
     return Measurement(value=result.E, bound=result.Ub, detail=result.detail(), details=result.to_details())
 
 
@@ -479,6 +485,18 @@ GATES: dict[str, GateDef] = {
                       "critical confusions as [(true, predicted), ...]; None: any misclassification"),
                 Param("compare_methods", (list, tuple), ("normal",), _methods,
                       "other methods to report beside the gated one"),
+                Param("cells", (str,), "grid", _one_of("grid", "balls"),
+                      "grid (a box of side eps) or balls (norm balls around operational inputs, for images)"),
+                Param("radius", (int, float, str, type(None)), None,
+                      lambda v: None if v is None else _positive_or_auto(v),
+                      "ball radius: a positive number or 'auto' (r-hat under the norm)"),
+                Param("norm", (str,), "linf", _one_of("linf", "l2"), "linf or l2"),
+                Param("max_balls", (int, type(None)), None, lambda v: None if v is None or v >= 1 else "must be >= 1",
+                      "a positive number of balls or None (all operational inputs)"),
+                Param("clip", (list, tuple, type(None)), None,
+                      lambda v: None if v is None or (len(v) == 2 and all(isinstance(c, (int, float)) for c in v)
+                                                      and v[0] < v[1]) else f"{v!r} must be (low, high)",
+                      "the valid input range, e.g. clip=(0, 1)"),
             ),
             fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
             measure=_measure_pmi_ub,

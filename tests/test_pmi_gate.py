@@ -133,3 +133,25 @@ def test_marker_methods_match_the_engine() -> None:
     from pytest_dnnsafety import gates, stats
 
     assert set(gates._PMI_METHODS) == set(stats.METHODS)
+
+
+def test_pmi_gate_with_norm_balls_around_operational_inputs(pmi_project: GateProject) -> None:
+    pmi_project.tests("""
+        import pytest
+
+        @pytest.mark.max_pmi_ub(0.5, cells="balls", radius=0.05, norm="l2", clip=(0, 1), max_balls=50,
+                                samples_per_cell=50, bootstrap=5)
+        def test_balls():
+            pass
+
+        @pytest.mark.max_pmi_ub(0.5, cells="balls", radius=0.05, eps=0.1)
+        def test_grid_option_with_balls():
+            pass
+    """)
+    result = pmi_project.run("--dnnsafety-json=e.json")
+    result.assert_outcomes(passed=1, failed=1)
+    gates = {g["nodeid"].split("::")[1]: g for g in json.loads((pmi_project.pytester.path / "e.json").read_text())["gates"]}
+    balls = gates["test_balls"]["details"]
+    assert balls["cell_kind"] == "balls" and balls["norm"] == "l2" and balls["cells_evaluated"] == 50
+    assert gates["test_grid_option_with_balls"]["status"] == "error"
+    assert "eps" in gates["test_grid_option_with_balls"]["summary"]

@@ -10,6 +10,12 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   raises a :class:`ReliabilityWarning` (and sets ``eps_exceeds_r``). ``eps="auto"`` takes the
   largest even split of the box with side strictly below ``eps_fraction · r̂`` (the paper's
   running example: ``r̂ = 0.004013`` → 250 × 250 cells of side 0.004).
+* **Ball cells** (``cells="balls"``; METRICS.md §8 "or are norm balls around operational
+  inputs", the paper's cells-as-norm-balls idea for high-dimensional inputs such as images,
+  where no grid is possible): each operational input ``x_j`` (input space, flattened) is the
+  centre of one cell ``B(x_j, ε)`` under ``norm`` (L∞ or L2). Op_j = 1/M (the empirical
+  profile); cell types from the labelled points inside each closed ball, exactly as for grid
+  cells. See :func:`assess_reliability` for the details.
 * **Op_i** — KDE masses (:class:`~pytest_dnnsafety.profile.OperationalProfile`): the paper's
   centre approximation (eq. 9) or the exact box integral, normalised over the box, with a
   bootstrap variance over ``B`` refits (eq. 11, Appendix A).
@@ -81,6 +87,8 @@ __all__ = [
     "NORMAL",
     "MAX_GRID_CELLS",
     "MAX_SCAN_CELLS",
+    "AUTO_RADIUS_CAP",
+    "NORMS",
     "Grid",
     "CellTallyEngine",
     "CellTable",
@@ -106,6 +114,10 @@ MAX_SCAN_CELLS = 1 << 30
 
 #: Samples per random block: each block of the (cell, sample) stream has its own generator.
 BLOCK = 4096
+
+#: ``radius="auto"`` for ball cells is capped at this fraction of the operational data's diameter
+#: under the norm (of the ``clip`` range when given): ``min(eps_fraction · r̂, 0.1 · diameter)``.
+AUTO_RADIUS_CAP = 0.1
 
 _MIX = 0x9E3779B97F4A7C15
 _CHUNK_ELEMS = 1 << 22
@@ -228,13 +240,15 @@ class Grid:
 
 # ====================================================================== r-separation
 def closest_opposite_pair(x: Any, y: Any, *, device: torch.device | str | None = None,
-                          chunk_elems: int = _CHUNK_ELEMS) -> tuple[float, int, int]:
-    """``(r̂, i, j)``: half the smallest L∞ distance between points of different classes, and the pair.
+                          chunk_elems: int = _CHUNK_ELEMS, norm: str = "linf") -> tuple[float, int, int]:
+    """``(r̂, i, j)``: half the smallest L∞ (or, with ``norm="l2"``, L2) distance between points of different
+    classes, and the pair.
 
     Exact and vectorised: for each class ``c`` its points are compared with the points of the
     classes after ``c`` in row chunks (``O(N²)`` work in total, ``chunk_elems`` distances at a
     time). Returns ``(inf, -1, -1)`` when fewer than two classes are present.
     """
+    norm = _check_norm(norm)
     pts = as_tensor_2d(x, "labelled points", device=None if device is None else torch.device(device), flatten=True)
     labels = torch.as_tensor(y.detach() if isinstance(y, Tensor) else np.asarray(y)).reshape(-1).to(pts.device)
     if labels.shape[0] != pts.shape[0]:
@@ -252,9 +266,12 @@ def closest_opposite_pair(x: Any, y: Any, *, device: torch.device | str | None =
         chunk = max(1, chunk_elems // max(1, cols.numel()))
         for start in range(0, rows.numel(), chunk):
             r = rows[start : start + chunk]
-            dist = (pts[r, None, 0] - xc[None, :, 0]).abs()
-            for k in range(1, pts.shape[1]):
-                dist = torch.maximum(dist, (pts[r, None, k] - xc[None, :, k]).abs())
+            if norm == "l2" or pts.shape[1] > 8:  # exact either way; cdist is much faster in many dimensions
+                dist = _ball_distances(pts[r], xc, norm)
+            else:
+                dist = (pts[r, None, 0] - xc[None, :, 0]).abs()
+                for k in range(1, pts.shape[1]):
+                    dist = torch.maximum(dist, (pts[r, None, k] - xc[None, :, k]).abs())
             flat = int(torch.argmin(dist))
             value = float(dist.reshape(-1)[flat])
             if value < best:
@@ -262,12 +279,29 @@ def closest_opposite_pair(x: Any, y: Any, *, device: torch.device | str | None =
     return best / 2.0, bi, bj
 
 
-def r_separation(x: Any, y: Any, *, device: torch.device | str | None = None) -> float:
-    """``r̂`` — half the smallest L∞ distance between two labelled points of different classes (Remark 2).
+def r_separation(x: Any, y: Any, *, device: torch.device | str | None = None, norm: str = "linf") -> float:
+    """``r̂`` — half the smallest L∞ (or L2) distance between two labelled points of different classes (Remark 2).
 
     ``inf`` when all labels are equal. The paper's running example reports ``r̂ = 0.004013``.
     """
-    return closest_opposite_pair(x, y, device=device)[0]
+    return closest_opposite_pair(x, y, device=device, norm=norm)[0]
+
+
+#: Norms of ball cells (``cells="balls"``) and how reports write them.
+NORMS: dict[str, str] = {"linf": "L∞", "l2": "L2"}
+
+
+def _check_norm(norm: Any) -> str:
+    if norm not in NORMS:
+        raise ConfigError(f"norm must be one of {list(NORMS)} (L∞ or Euclidean balls), got {norm!r}")
+    return str(norm)
+
+
+def _ball_distances(centres: Tensor, points: Tensor, norm: str) -> Tensor:
+    """Exact distances ``(c, L)`` between ``centres`` ``(c, d)`` and ``points`` ``(L, d)`` under ``norm``."""
+    if norm == "l2":
+        return torch.cdist(centres, points, p=2.0, compute_mode="donot_use_mm_for_euclid_dist")
+    return torch.cdist(centres, points, p=math.inf)
 
 
 # ====================================================================== engine
@@ -374,6 +408,14 @@ class ReliabilityResult:
     ``"clopper-pearson"`` ``E``/``Var`` are the point estimate and eq. (6)'s variance (the bound
     is the method's); for ``"jeffreys"`` the posterior mean and variance. ``alternatives`` holds
     the other methods asked for with ``compare_methods``. ``cells`` has the per-cell evidence.
+
+    Ball cells (``cell_kind == "balls"``, :func:`assess_reliability` with ``cells="balls"``): the
+    grid fields say so — ``grid_shape == ()``, ``eps == (radius,)``, ``cells_total`` is the number
+    of operational inputs (one possible ball each), ``cells_evaluated`` the number of balls,
+    ``mass_evaluated == 1`` (the balls carry the whole empirical profile), ``bandwidth`` is
+    ``None`` (no KDE); ``norm`` (``"linf"``/``"l2"``) and ``clip`` describe the balls. The cell
+    table's ``flat`` holds each ball's centre index into the operational data and
+    ``lower``/``upper`` its bounding box (clipped; for L∞ balls the ball itself).
     """
 
     E: float
@@ -405,6 +447,9 @@ class ReliabilityResult:
     latent: bool = False
     labelled_outside_box: int = 0
     alternatives: Mapping[str, MethodBound] = field(default_factory=dict)
+    cell_kind: str = "grid"
+    norm: str | None = None
+    clip: tuple[float, float] | None = None
     cells: CellTable | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -412,15 +457,35 @@ class ReliabilityResult:
         """``√Var`` (the paper's Table 1 column "V")."""
         return math.sqrt(max(self.Var, 0.0))
 
+    @property
+    def balls(self) -> bool:
+        """Whether the cells are norm balls around operational inputs (``cells="balls"``)."""
+        return self.cell_kind == "balls"
+
+    def _ball_words(self) -> str:
+        """E.g. ``"balls 270 (L∞ radius 0.05)"`` (with the population when subsampled, and the clip range)."""
+        of = "" if self.cells_evaluated == self.cells_total else f" of {self.cells_total} operational inputs"
+        clip = "" if self.clip is None else f", clipped to [{self.clip[0]:g}, {self.clip[1]:g}]"
+        return (f"balls {self.cells_evaluated}{of} ({NORMS.get(self.norm or '', self.norm)} radius "
+                f"{self.eps[0]:.6g}{clip})")
+
     def detail(self) -> str:
         """One line: the bound, r̂ and ε, cells by type, OP mass evaluated, queries and time."""
         r = "n/a" if not math.isfinite(self.r_hat) else f"{self.r_hat:.6g}"
+        types = f"(normal {self.cells_normal}, empty {self.cells_empty}, cross {self.cells_cross})"
+        if self.balls:
+            warn = " (radius ≥ r̂!)" if self.eps_exceeds_r else ""
+            return (
+                f"pmi E={self.E:.4e} Ub{self.confidence * 100:g}%={self.Ub:.4e} [{self.method}]; "
+                f"r̂={r}{warn}; {self._ball_words()} {types}, empirical OP 1/{self.cells_evaluated} each; "
+                f"{self.model_queries:,} model queries in {self.seconds:.1f} s"
+            )
         eps = f"{self.eps[0]:.6g}" if len(set(self.eps)) == 1 else "(" + ", ".join(f"{e:.4g}" for e in self.eps) + ")"
         warn = " (ε ≥ r̂!)" if self.eps_exceeds_r else ""
         return (
             f"pmi E={self.E:.4e} Ub{self.confidence * 100:g}%={self.Ub:.4e} [{self.method}]; "
             f"r̂={r} ε={eps}{warn}; cells {self.cells_evaluated}/{self.cells_total} "
-            f"(normal {self.cells_normal}, empty {self.cells_empty}, cross {self.cells_cross}); "
+            f"{types}; "
             f"OP mass evaluated {self.mass_evaluated:.4f}"
             f"{' (rest λ=1)' if self.conservative_rest else ' (rest at average pmi)'}; "
             f"{self.model_queries:,} model queries in {self.seconds:.1f} s"
@@ -435,6 +500,21 @@ class ReliabilityResult:
         for name, alt in self.alternatives.items():
             lines.append(f"  {name:>16}: E = {alt.E:.6g}   Ub = {alt.Ub:.6g}")
         r = "n/a (fewer than two labelled classes)" if not math.isfinite(self.r_hat) else f"{self.r_hat:.6g}"
+        if self.balls:
+            lines += [
+                f"  r̂ = {r} ({NORMS.get(self.norm or '', self.norm)}, input space)   radius = {self.eps[0]:.6g}"
+                + ("   WARNING: radius ≥ r̂ (balls may straddle the ground-truth boundary)"
+                   if self.eps_exceeds_r else ""),
+                f"  {self._ball_words()}: normal {self.cells_normal}, empty {self.cells_empty}, "
+                f"cross-boundary {self.cells_cross}",
+                f"  OP: empirical, 1/{self.cells_evaluated} per ball; "
+                + (f"multinomial bootstrap B = {self.bootstrap}" if self.bootstrap else "masses taken as known"),
+                f"  samples per ball {self.samples_per_cell} ({self.allocation}); failure = "
+                + ("any misclassification" if self.failure_set is None else f"confusions {list(self.failure_set)}"),
+                f"  {self.model_queries:,} model queries in {self.seconds:.2f} s"
+                f" ({self.model_queries / max(self.seconds, 1e-9):,.0f} /s)",
+            ]
+            return "\n".join(lines)
         lines += [
             f"  r̂ = {r}   ε = {', '.join(f'{e:.6g}' for e in self.eps)}"
             + ("   WARNING: ε ≥ r̂ (cells may straddle the ground-truth boundary)" if self.eps_exceeds_r else ""),
@@ -483,6 +563,10 @@ class ReliabilityResult:
             "model_queries": self.model_queries,
             "seconds": self.seconds,
             "alternatives": {name: alt.to_dict() for name, alt in self.alternatives.items()},
+            "cell_kind": self.cell_kind,
+            "norm": self.norm,
+            "radius": self.eps[0] if self.balls else None,
+            "clip": None if self.clip is None else list(self.clip),
         }
 
 
@@ -553,6 +637,19 @@ def _mix(seed: int, block: int) -> int:
     return (int(seed) * 1_000_003 + (block + 1) * _MIX) % (2**63 - 1)
 
 
+def _labels_tensor(raw_y: Any, n: int, device: torch.device) -> Tensor:
+    """Labels of ``n`` labelled inputs as a non-negative int64 vector (or a :class:`DataError`)."""
+    y_lab = torch.as_tensor(raw_y.detach() if isinstance(raw_y, Tensor) else np.asarray(raw_y))
+    y_lab = y_lab.reshape(-1).to(device)
+    if y_lab.dtype.is_floating_point or y_lab.dtype == torch.bool:
+        raise DataError(f"labels must be integer class indices, got dtype {y_lab.dtype}")
+    if y_lab.shape[0] != n:
+        raise DataError(f"labelled: {n} inputs but {y_lab.shape[0]} labels")
+    if y_lab.numel() and int(y_lab.min()) < 0:
+        raise DataError("labels must be non-negative class indices")
+    return y_lab.to(torch.int64)
+
+
 def _check_int(value: Any, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
         raise ConfigError(f"{name} must be an int ≥ {minimum}, got {value!r}")
@@ -562,11 +659,12 @@ def _check_int(value: Any, name: str, minimum: int) -> int:
 class ReliabilityAssessor:
     """Plans, samples and aggregates one reliability assessment (the steps of :func:`assess_reliability`).
 
-    Construction does the model-independent work: the grid, ``r̂``, the OP masses and their
-    bootstrap, the cell selection and types. Then :meth:`sample` runs the model (possibly a
+    Construction does the model-independent work: the grid (or, with ``cells="balls"``, the
+    balls around the operational inputs), ``r̂``, the OP masses and their bootstrap, the cell
+    selection and types. Then :meth:`sample` runs the model (possibly a
     share of the blocks per worker: ``rank``/``world_size``) into a :class:`CellTallyEngine`,
     and :meth:`finish` turns the (merged) engine into a :class:`ReliabilityResult`.
-    :meth:`assess` does both. Parameters: see :func:`assess_reliability`.
+    :meth:`assess` does both. Parameters (and their documentation): see :func:`assess_reliability`.
     """
 
     def __init__(
@@ -597,6 +695,11 @@ class ReliabilityAssessor:
         device: torch.device | str | None = None,
         batch_size: int | str = "auto",
         input_dtype: torch.dtype = torch.float32,
+        cells: str = "grid",
+        radius: float | str | None = None,
+        norm: str = "linf",
+        max_balls: int | None = None,
+        clip: tuple[float, float] | None = None,
     ) -> None:
         started = time.perf_counter()
         self.confidence = stats.check_confidence(confidence)
@@ -634,6 +737,23 @@ class ReliabilityAssessor:
             batch_size = _check_int(batch_size, "batch_size", 1)
         self.batch_size = batch_size
         self.input_dtype = input_dtype
+        if cells not in ("grid", "balls"):
+            raise ConfigError(f"cells must be 'grid' (cells of side eps over a box) or 'balls' (norm balls around the "
+                              f"operational inputs, for high-dimensional inputs such as images), got {cells!r}")
+        self.cell_kind = str(cells)
+        self.norm = _check_norm(norm)
+        self.clip: tuple[float, float] | None = None
+        self.radius: float | None = None
+        if cells == "balls":
+            self._init_balls(profile, labelled, radius=radius, eps=eps, eps_fraction=eps_fraction, box=box,
+                             bandwidth=bandwidth, max_balls=max_balls, clip=clip, device=device)
+            self.plan_seconds = time.perf_counter() - started
+            return
+        for name, value in (("radius", radius), ("max_balls", max_balls), ("clip", clip)):
+            if value is not None:
+                raise ConfigError(f"{name} applies to cells='balls' only; grid cells are set by eps, box and max_cells")
+        if norm != "linf":
+            raise ConfigError(f"norm={norm!r} applies to cells='balls' only; grid cells are L∞ boxes")
 
         # ---------------------------------------------------------------- profile
         if not isinstance(profile, OperationalProfile):
@@ -648,15 +768,7 @@ class ReliabilityAssessor:
             if not isinstance(labelled, (tuple, list)) or len(labelled) != 2:
                 raise DataError("labelled must be a pair (inputs, labels)")
             z_lab = profile.encode(labelled[0])
-            raw_y = labelled[1]
-            y_lab = torch.as_tensor(raw_y.detach() if isinstance(raw_y, Tensor) else np.asarray(raw_y))
-            y_lab = y_lab.reshape(-1).to(profile.device)
-            if y_lab.dtype.is_floating_point or y_lab.dtype == torch.bool:
-                raise DataError(f"labels must be integer class indices, got dtype {y_lab.dtype}")
-            if y_lab.shape[0] != z_lab.shape[0]:
-                raise DataError(f"labelled: {z_lab.shape[0]} inputs but {y_lab.shape[0]} labels")
-            if y_lab.numel() and int(y_lab.min()) < 0:
-                raise DataError("labels must be non-negative class indices")
+            y_lab = _labels_tensor(labelled[1], z_lab.shape[0], profile.device)
             self.r_hat = r_separation(z_lab, y_lab)
         else:
             z_lab, y_lab = None, None
@@ -710,6 +822,171 @@ class ReliabilityAssessor:
 
         self._plan()
         self.plan_seconds = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ ball cells
+    def _init_balls(self, profile: Any, labelled: tuple[Any, Any] | None, *, radius: Any, eps: Any,
+                    eps_fraction: Any, box: Any, bandwidth: Any, max_balls: Any, clip: Any,
+                    device: torch.device | str | None) -> None:
+        """Plan ``cells="balls"``: centres, radius, empirical OP, ball types and the sample corners."""
+        if not (isinstance(eps, str) and eps == "auto"):
+            raise ConfigError("eps is the grid's cell side; with cells='balls' give radius= (the ball radius) instead")
+        if box is not None:
+            raise ConfigError("box bounds the grid; cells='balls' needs none (give clip=(lo, hi) for the valid input "
+                              "range)")
+        if bandwidth is not None:
+            raise ConfigError("bandwidth is a KDE setting; cells='balls' uses the empirical operational profile and "
+                              "fits no KDE. Fix: drop bandwidth")
+        if self.mass_target < 1.0 or self.max_cells is not None:
+            raise ConfigError("mass_target/max_cells pick grid cells by OP mass, but every ball carries the same mass "
+                              "1/M. Fix: use max_balls to evaluate a seeded subsample of the operational inputs")
+        # ---- centres: the raw operational inputs (input space)
+        if isinstance(profile, OperationalProfile):
+            if profile.latent:
+                raise ConfigError(
+                    "cells='balls' centres the balls on the raw operational inputs, but this profile has an encoder "
+                    "and holds only their encodings. Fix: pass the raw operational inputs (N, *input_shape) as "
+                    "profile (no KDE is needed for balls)"
+                )
+            self.device = profile.device if device is None else torch.device(device)
+            centres_all = profile.points.to(self.device)
+            input_shape = tuple(profile.input_shape)
+        else:
+            self.device = torch.device("cpu") if device is None else torch.device(device)
+            shape = tuple(profile.shape) if isinstance(profile, (Tensor, np.ndarray)) else None
+            centres_all = as_tensor_2d(profile, "operational data", device=self.device, flatten=True)
+            if shape is None:
+                shape = (centres_all.shape[0], *np.asarray(profile).shape[1:])
+            input_shape = tuple(shape[1:]) if len(shape) > 1 else (1,)
+        self.profile = profile if isinstance(profile, OperationalProfile) else None
+        n_all, d = int(centres_all.shape[0]), int(centres_all.shape[1])
+        self.n_operational = n_all
+        if max_balls is not None and _check_int(max_balls, "max_balls", 1) < n_all:
+            gen = torch.Generator().manual_seed(_mix(self.seed, -2))
+            flat = torch.randperm(n_all, generator=gen)[: int(max_balls)].sort().values
+        else:
+            flat = torch.arange(n_all)
+        centres = centres_all[flat.to(self.device)]
+        m = int(flat.shape[0])
+        # ---- valid input range
+        if clip is not None:
+            if not isinstance(clip, (tuple, list)) or len(clip) != 2:
+                raise ConfigError(f"clip must be a pair (lo, hi) of the valid input range, e.g. (0, 1), got {clip!r}")
+            lo_c, hi_c = _float_tuple(clip, 2, "clip")
+            if not lo_c < hi_c:
+                raise ConfigError(f"clip: lo {lo_c} must be below hi {hi_c}")
+            outside = ((centres_all < lo_c) | (centres_all > hi_c)).any(1)
+            if bool(outside.any()):
+                row = int(torch.nonzero(outside)[0, 0])
+                raise DataError(f"operational input {row} lies outside clip=({lo_c:g}, {hi_c:g}). Fix: widen clip to "
+                                f"the inputs' valid range or rescale the data")
+            self.clip = (lo_c, hi_c)
+        # ---- labelled points (input space, flattened) and r̂ under the norm
+        if labelled is not None:
+            if not isinstance(labelled, (tuple, list)) or len(labelled) != 2:
+                raise DataError("labelled must be a pair (inputs, labels)")
+            z_lab = as_tensor_2d(labelled[0], "labelled inputs", device=self.device, flatten=True)
+            if z_lab.shape[1] != d:
+                raise DataError(f"labelled inputs have {z_lab.shape[1]} values each, the operational inputs {d}")
+            y_lab = _labels_tensor(labelled[1], z_lab.shape[0], self.device)
+            self.r_hat = r_separation(z_lab, y_lab, norm=self.norm)
+        else:
+            z_lab, y_lab = None, None
+            self.r_hat = float("nan")
+        self._z_lab, self._y_lab = z_lab, y_lab
+        # ---- radius
+        if radius is None or (isinstance(radius, str) and radius == "auto"):
+            if not math.isfinite(self.r_hat):
+                raise ConfigError(
+                    "radius='auto' (the default for cells='balls') takes r̂ under the chosen norm, which needs "
+                    "labelled points of at least two classes. Fix: pass labelled=(x, y) or give radius (e.g. 0.05)"
+                )
+            if self.r_hat <= 0:
+                raise ConfigError("r̂ is 0: two labelled points of different classes coincide; give radius")
+            if isinstance(eps_fraction, bool) or not isinstance(eps_fraction, (int, float)) or eps_fraction <= 0:
+                raise ConfigError(f"eps_fraction must be a positive number, got {eps_fraction!r}")
+            span = (torch.full((d,), hi_c - lo_c, dtype=torch.float64) if self.clip is not None
+                    else (centres_all.max(0).values - centres_all.min(0).values).cpu())
+            diameter = float(span.max()) if self.norm == "linf" else float(span.norm())
+            cap = AUTO_RADIUS_CAP * diameter if diameter > 0 else math.inf
+            value = min(math.nextafter(float(eps_fraction) * self.r_hat, 0.0), cap)
+        else:
+            if isinstance(radius, bool) or not isinstance(radius, (int, float, np.floating)) \
+                    or not math.isfinite(float(radius)) or float(radius) <= 0:
+                raise ConfigError(f"radius must be a positive finite number or 'auto', got {radius!r}")
+            value = float(radius)
+        self.radius = value
+        self.eps_exceeds_r = bool(math.isfinite(self.r_hat) and value >= self.r_hat)
+        if self.eps_exceeds_r:
+            warnings.warn(
+                f"ball radius {value:.6g} ≥ r̂={self.r_hat:.6g} ({NORMS[self.norm]}): balls may contain inputs of "
+                f"different ground-truth classes (Assumption 4). Use radius='auto' or a smaller radius",
+                ReliabilityWarning,
+                stacklevel=3,
+            )
+        # ---- empirical OP: 1/M per ball; multinomial (bootstrap) uncertainty
+        op = torch.full((m,), 1.0 / m, dtype=torch.float64)
+        if self.bootstrap >= 2:
+            gen = torch.Generator().manual_seed(int(self.seed))
+            idx = torch.randint(0, m, (self.bootstrap, m), generator=gen)
+            weights = torch.zeros(self.bootstrap, m, dtype=torch.float64)
+            weights.scatter_add_(1, idx, torch.ones(self.bootstrap, m, dtype=torch.float64))
+            reps: Tensor | None = weights / m
+            rest_reps: Tensor | None = torch.zeros(self.bootstrap, dtype=torch.float64)
+            op_var = torch.full((m,), (1.0 / m) * (1.0 - 1.0 / m) / m, dtype=torch.float64)
+        else:
+            reps, rest_reps, op_var = None, None, torch.zeros(m, dtype=torch.float64)
+        self.rest, self.mass_evaluated, self.labelled_outside_box = 0.0, 1.0, 0
+        self._flat, self._op, self._op_var, self._reps, self._rest_reps = flat, op, op_var, reps, rest_reps
+        # ---- types: labelled points inside each (closed) ball, chunked distance matrices
+        types = torch.full((m,), EMPTY, dtype=torch.int64, device=self.device)
+        labels = torch.full((m,), -1, dtype=torch.int64, device=self.device)
+        if z_lab is not None and y_lab is not None and y_lab.numel():
+            n_lab = int(z_lab.shape[0])
+            onehot = torch.nn.functional.one_hot(y_lab, int(y_lab.max()) + 1).to(torch.float64)
+            chunk = max(1, min(_CHUNK_ELEMS // n_lab, 4 * _CHUNK_ELEMS // (n_lab * d)))
+            for start in range(0, m, chunk):
+                stop = min(m, start + chunk)
+                inside = (_ball_distances(centres[start:stop], z_lab, self.norm) <= value).to(torch.float64)
+                present = (inside @ onehot) > 0  # (c, K): classes with a labelled point in the ball
+                distinct = present.sum(1)
+                types[start:stop] = torch.where(distinct > 1, CROSS, torch.where(distinct == 1, NORMAL, EMPTY))
+                labels[start:stop] = torch.where(distinct == 1, present.to(torch.int8).argmax(1), -1)
+        self._types, self._labels = types, labels
+        # ---- samples
+        self._allocate(op, types)
+        c = centres[self._sampled.to(self.device)]
+        if self.norm == "linf":  # the ball (∩ clip) is a box: uniform in it, exactly
+            lo, hi = c - value, c + value
+            if self.clip is not None:
+                lo, hi = lo.clamp_min(self.clip[0]), hi.clamp_max(self.clip[1])
+            self._sample_lower, self._sample_width = lo, hi - lo
+        else:  # L2: centre, zero width (samples are centre + radius · direction)
+            self._sample_lower, self._sample_width = c, torch.zeros_like(c)
+        self._centres = centres
+        self._sample_dim = d
+        self._input_shape = input_shape
+
+    def _allocate(self, op: Tensor, types: Tensor) -> None:
+        """Samples per sampled (non-cross) cell: ``samples_per_cell`` each, or the same budget spread ∝ ``Op_i``."""
+        sampled = torch.nonzero(types != CROSS).reshape(-1).cpu()
+        self._sampled = sampled
+        n_s = sampled.numel()
+        if self.allocation == "uniform" or n_s == 0:
+            trials = torch.full((n_s,), self.samples_per_cell, dtype=torch.int64)
+        else:
+            budget = self.samples_per_cell * n_s
+            op_s = op.cpu()[sampled]
+            total = float(op_s.sum())
+            share_s = op_s / total if total > 0 else torch.full_like(op_s, 1.0 / n_s)
+            trials = torch.round(share_s * budget).to(torch.int64).clamp_min(1)
+        self._trials = trials
+        self._ends = torch.cumsum(trials, 0)
+
+    def _to_input(self, z: Tensor) -> Tensor:
+        """Sampled points ``(B, d)`` → model inputs (decoded for latent grids, reshaped for balls)."""
+        if self.cell_kind == "balls":
+            return z.reshape(z.shape[0], *self._input_shape)
+        return self.profile.decode(z)
 
     # ------------------------------------------------------------------ validation helpers
     @staticmethod
@@ -907,21 +1184,10 @@ class ReliabilityAssessor:
                 labels = torch.where(hit & (distinct[pos] == 1), first_label[pos], labels)
         self._types, self._labels = types, labels
         # ---- sample allocation over the sampled (non-cross) cells
-        sampled = torch.nonzero(types != CROSS).reshape(-1)
-        self._sampled = sampled
-        n_s = sampled.numel()
-        if self.allocation == "uniform" or n_s == 0:
-            trials = torch.full((n_s,), self.samples_per_cell, dtype=torch.int64)
-        else:
-            budget = self.samples_per_cell * n_s
-            op_s = op[sampled].cpu()
-            total = float(op_s.sum())
-            share_s = op_s / total if total > 0 else torch.full_like(op_s, 1.0 / n_s)
-            trials = torch.round(share_s * budget).to(torch.int64).clamp_min(1)
-        self._trials = trials
-        self._ends = torch.cumsum(trials, 0)
-        lo, hi = grid.bounds(flat[sampled].to(profile.device))
+        self._allocate(op, types)
+        lo, hi = grid.bounds(flat[self._sampled.to(flat.device)].to(profile.device))
         self._sample_lower, self._sample_width = lo, hi - lo
+        self._sample_dim = grid.dim
 
     # ------------------------------------------------------------------ sampling
     @property
@@ -937,6 +1203,10 @@ class ReliabilityAssessor:
         return CellTallyEngine(self.n_sampled_cells, num_classes, device=self.device)
 
     def _sample_dtype(self) -> torch.dtype:
+        if self.cell_kind == "balls":
+            assert self.radius is not None
+            span = float(self._centres.abs().max()) + self.radius if self._centres.numel() else 1.0
+            return torch.float64 if span / self.radius > 2**16 else torch.float32
         span = max(max(abs(v) for v in self.grid.lower), max(abs(v) for v in self.grid.upper))
         return torch.float64 if span / min(self.grid.eps) > 2**16 else torch.float32
 
@@ -949,13 +1219,20 @@ class ReliabilityAssessor:
         sample does not depend on which batch or worker processes its block.
         """
         start, stop = first * BLOCK, min(self.total_samples, last * BLOCK)
-        u = torch.empty(stop - start, self.grid.dim, dtype=dtype, device=self.device)
+        d = self._sample_dim
+        l2 = self.cell_kind == "balls" and self.norm == "l2"
+        u = torch.empty(stop - start, d, dtype=dtype, device=self.device)
+        rad = torch.empty(stop - start, 1, dtype=dtype, device=self.device) if l2 else None
         gen = self._generator
         for block in range(first, last):
             lo = block * BLOCK - start
             hi = min(stop - start, lo + BLOCK)
             gen.manual_seed(_mix(self.seed, block))
-            torch.rand(hi - lo, self.grid.dim, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
+            if rad is not None:  # L2 ball: Gaussian direction, then the radius quantile
+                torch.randn(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
+                torch.rand(hi - lo, 1, generator=gen, dtype=dtype, device=self.device, out=rad[lo:hi])
+            else:
+                torch.rand(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
         # the cells the batch touches and how many of its samples fall in each (the first and last
         # cell may be cut by the batch edges); corners and cell indices are expanded by repetition
         if self.allocation == "uniform":
@@ -973,14 +1250,21 @@ class ReliabilityAssessor:
         count = stop - start
         local = torch.arange(hi - lo, device=self.device).repeat_interleave(reps, output_size=count)
         picked = corners[lo:hi].repeat_interleave(reps, dim=0, output_size=count)  # (B, 2d): lower | width
-        d = self.grid.dim
-        z = u.mul_(picked[:, d:]).add_(picked[:, :d])
+        if rad is not None:  # uniform in the L2 ball: centre + ε · U^{1/d} · g/‖g‖
+            assert self.radius is not None
+            scale = rad.pow_(1.0 / d).mul_(self.radius).div_(torch.linalg.vector_norm(u, dim=1, keepdim=True)
+                                                             .clamp_min(torch.finfo(dtype).tiny))
+            z = u.mul_(scale).add_(picked[:, :d])
+        else:
+            z = u.mul_(picked[:, d:]).add_(picked[:, :d])
+        if self.clip is not None:  # exact for L∞ (the sampled box is already clipped; guards rounding)
+            z = z.clamp_(self.clip[0], self.clip[1])
         return local, z, (lo, hi)
 
     def _run_blocks(self, adapter: _ModelAdapter, engine: CellTallyEngine, first: int, last: int,
                     dtype: torch.dtype, corners: Tensor) -> int:
         local, z, cell_range = self._batch_inputs(first, last, dtype, corners)
-        x = self.profile.decode(z)
+        x = self._to_input(z)
         if x.dtype != self.input_dtype:
             x = x.to(self.input_dtype)
         preds = adapter(x)
@@ -992,7 +1276,7 @@ class ReliabilityAssessor:
     def _probe(self, adapter: _ModelAdapter) -> int:
         """One small model call on the first sampled cell's centre: validates the output, returns ``K``."""
         z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self._sample_dtype()).expand(2, -1)
-        x = self.profile.decode(z.contiguous())
+        x = self._to_input(z.contiguous())
         x = x.to(self.input_dtype)
         with torch.inference_mode():
             raw = adapter.model(x)
@@ -1138,25 +1422,39 @@ class ReliabilityAssessor:
         main = bounds[self.method]
         lam_hat = torch.where(cross, torch.ones(count, dtype=torch.float64),
                               failures_all.to(torch.float64) / trials_all.clamp_min(1).to(torch.float64))
-        lo, hi = self.grid.bounds(self._flat.cpu())
+        if self.cell_kind == "balls":
+            assert self.radius is not None
+            centres = self._centres.cpu()
+            lo, hi = centres - self.radius, centres + self.radius
+            if self.clip is not None:
+                lo, hi = lo.clamp_min(self.clip[0]), hi.clamp_max(self.clip[1])
+        else:
+            lo, hi = self.grid.bounds(self._flat.cpu())
         table = CellTable(flat=self._flat.cpu(), lower=lo, upper=hi, op=op, op_var=op_var, cell_type=types,
                           label=labels, failures=failures_all, trials=trials_all)
         queries = getattr(self, "queries", 0) if model_queries is None else int(model_queries)
         elapsed = seconds if seconds is not None else self.plan_seconds + (time.perf_counter() - started)
-        bw = None if self.profile.bandwidth is None else tuple(float(v) for v in self.profile.bandwidth)
+        balls = self.cell_kind == "balls"
+        if balls:
+            assert self.radius is not None
+            bw, eps, shape, total = None, (self.radius,), (), self.n_operational
+        else:
+            bw = None if self.profile.bandwidth is None else tuple(float(v) for v in self.profile.bandwidth)
+            eps, shape, total = self.grid.eps, self.grid.shape, self.grid.n_cells
         return ReliabilityResult(
             E=main.E, Var=main.Var, Ub=main.Ub, confidence=self.confidence, method=self.method,
-            r_hat=self.r_hat, eps=self.grid.eps, eps_exceeds_r=self.eps_exceeds_r, grid_shape=self.grid.shape,
-            cells_total=self.grid.n_cells, cells_evaluated=count,
+            r_hat=self.r_hat, eps=eps, eps_exceeds_r=self.eps_exceeds_r, grid_shape=shape,
+            cells_total=total, cells_evaluated=count,
             cells_normal=int((types == NORMAL).sum()), cells_empty=int((types == EMPTY).sum()),
             cells_cross=int(cross.sum()), mass_evaluated=self.mass_evaluated,
             mass_rest=max(0.0, 1.0 - self.mass_evaluated), conservative_rest=self.conservative_rest,
-            mass_method=self.mass, bootstrap=self.bootstrap, bandwidth=bw,
+            mass_method="empirical" if balls else self.mass, bootstrap=self.bootstrap, bandwidth=bw,
             samples_per_cell=self.samples_per_cell, allocation=self.allocation,
             acu=float(lam_hat.mean()) if count else float("nan"), model_queries=queries, seconds=float(elapsed),
-            failure_set=self.failure_pairs, latent=self.profile.latent,
+            failure_set=self.failure_pairs, latent=False if balls else self.profile.latent,
             labelled_outside_box=self.labelled_outside_box,
             alternatives={m: b for m, b in bounds.items() if m != self.method}, cells=table,
+            cell_kind=self.cell_kind, norm=self.norm if balls else None, clip=self.clip,
         )
 
     def _bound(self, method: str, op: Tensor, op_var: Tensor, reps: Tensor | None, rest: float,
@@ -1213,32 +1511,12 @@ def assess_reliability(
     model: Callable[[Tensor], Any],
     profile: OperationalProfile | Any,
     labelled: tuple[Any, Any] | None = None,
-    *,
-    eps: float | Sequence[float] | str = "auto",
-    eps_fraction: float = 1.0,
-    box: tuple[Any, Any] | None = None,
-    samples_per_cell: int = 1000,
-    allocation: str = "uniform",
-    bootstrap: int = 100,
-    bandwidth: Any = None,
-    mass: str = "exact",
-    normalize: bool = True,
-    mass_target: float = 1.0,
-    max_cells: int | None = None,
-    conservative_rest: bool = True,
-    num_classes: int | None = None,
-    failures: Iterable[tuple[int, int]] | None = None,
-    method: str = "chernoff",
-    compare_methods: Sequence[str] = (),
-    confidence: float = 0.975,
-    alpha_op_share: float = 0.5,
-    posterior_draws: int = 1000,
-    seed: int = 0,
-    device: torch.device | str | None = None,
-    batch_size: int | str = "auto",
-    input_dtype: torch.dtype = torch.float32,
+    **options: Any,
 ) -> ReliabilityResult:
     """Assess the pmi of ``model`` under the operational profile (Zhao et al. 2021) and bound it.
+
+    ``options`` are the keywords of :class:`ReliabilityAssessor` (the defaults are its own), all
+    documented here; an unknown keyword raises ``TypeError``.
 
     Args:
         model: a torch module or any callable mapping inputs ``(B, *input_shape)`` (on ``device``,
@@ -1278,6 +1556,55 @@ def assess_reliability(
         batch_size: model batch (rounded to blocks of :data:`BLOCK` samples) or ``"auto"`` (timed
             on the first batches; results do not depend on it).
         input_dtype: dtype of the model inputs.
+        cells: ``"grid"`` (default; the arguments above) or ``"balls"`` — norm-ball cells around
+            the operational inputs (METRICS.md §8: "cells … are norm balls around operational
+            inputs"; the paper's remedy for high-dimensional inputs such as images):
+
+            * ``profile`` gives the centres: raw operational inputs ``(N, *input_shape)`` (images
+              are fine: no KDE is fitted) or an :class:`OperationalProfile` *without* an encoder
+              (its data are the inputs). A latent profile holds only encodings: a
+              :class:`ConfigError` asks for the raw inputs. Each of the ``M`` centres ``x_j`` is
+              the centre of one cell ``B(x_j, ε) = {x : ‖x − x_j‖ ≤ ε}`` in input space.
+            * ``Op_j = 1/M`` — the empirical operational profile (no KDE). With ``bootstrap ≥ 2``
+              the OP uncertainty is the bootstrap of the operational sample: replicate ``b``
+              gives ball ``j`` the mass ``W_bj/M`` (``W_b`` multinomial resampling counts), and
+              ``V[Op_j] = (1/M)(1 − 1/M)/M`` is that bootstrap's exact variance (the multinomial
+              variance of an empirical mass), used in eq. (6) without Monte Carlo noise. Eq. (6)
+              ignores the multinomial's negative covariances, so its ``Var`` over-states the
+              bootstrap variance of ``Σ Op_j λ_j`` — conservative. The sound methods take the
+              bound's quantile over the ``W_b/M`` replicates exactly as for KDE masses.
+              ``bootstrap=0`` takes the masses ``1/M`` as known (``V[Op_j] = 0``). The estimate
+              ``Σ_j λ_j/M`` is the mean unastuteness of the ε-ball around a random operational
+              input.
+            * Ball types: labelled points (input space, flattened) inside the closed ball decide
+              normal (they agree; their label is the ground truth) or cross-boundary (they
+              disagree; ``λ_j = 1``); otherwise the ball is empty and its label is the model's
+              majority vote on its samples (Assumption 5). Distances are exact, in chunks.
+            * ``λ_j`` by Monte Carlo: ``samples_per_cell`` inputs uniform in the ball — L∞:
+              uniform in the box ``[x_j − ε, x_j + ε] ∩ clip`` (exactly uniform on the clipped
+              ball); L2: ``x_j + ε·U^{1/d}·g/‖g‖`` with ``g`` Gaussian, then clamped to ``clip``
+              (the projection puts the mass outside the valid range on its faces; not exactly
+              uniform on the clipped ball). Block-seeded as for grid cells: results do not
+              depend on ``batch_size``.
+            * Aggregation, ``method`` and ``compare_methods`` are the grid's. ``eps``, ``box``,
+              ``bandwidth``, ``mass_target`` and ``max_cells`` are grid settings and raise a
+              :class:`ConfigError` with balls (``mass``, ``normalize``, ``conservative_rest``
+              are ignored: every ball is evaluated, nothing is left over).
+        radius: ball radius ``ε`` (input space, under ``norm``), or ``None``/``"auto"``:
+            ``min(eps_fraction · r̂, 0.1 · D)`` just below, with ``r̂`` the r-separation of the
+            labelled data in input space under ``norm`` (Remark 2: a ball of radius below ``r̂``
+            cannot hold inputs of two classes) and ``D`` the diameter under ``norm`` of the
+            operational data's bounding box (of the ``clip`` cube when given) — the cap
+            (:data:`AUTO_RADIUS_CAP`) keeps balls local when the classes are far apart (for
+            images ``r̂`` can be a large share of the pixel range). ``radius ≥ r̂`` warns
+            (:class:`ReliabilityWarning`, ``eps_exceeds_r``).
+        norm: ``"linf"`` (default) or ``"l2"`` — the balls' norm (and ``r̂``'s for ``"auto"``).
+        max_balls: evaluate a seeded random subsample (without replacement, in data order) of
+            ``max_balls`` operational inputs; it is itself an empirical profile
+            (``Op_j = 1/max_balls``). Default: all.
+        clip: ``(lo, hi)`` — the valid input range (e.g. ``(0, 1)`` for images); samples are kept
+            in it as above and operational inputs outside it are a :class:`DataError`. Default
+            ``None``: no clipping (the plugin cannot know the valid range).
 
     Raises:
         ConfigError: a bad setting (named, with the fix), e.g. ``eps`` larger than the box or a
@@ -1286,14 +1613,7 @@ def assess_reliability(
         MetricError: the model's output has the wrong shape, or the profile has no mass in the box.
     """
     started = time.perf_counter()
-    assessor = ReliabilityAssessor(
-        profile, labelled, eps=eps, eps_fraction=eps_fraction, box=box, samples_per_cell=samples_per_cell,
-        allocation=allocation, bootstrap=bootstrap, bandwidth=bandwidth, mass=mass, normalize=normalize,
-        mass_target=mass_target, max_cells=max_cells, conservative_rest=conservative_rest,
-        num_classes=num_classes, failures=failures, method=method, compare_methods=compare_methods,
-        confidence=confidence, alpha_op_share=alpha_op_share, posterior_draws=posterior_draws, seed=seed,
-        device=device, batch_size=batch_size, input_dtype=input_dtype,
-    )
+    assessor = ReliabilityAssessor(profile, labelled, **options)
     engine = assessor.sample(model)
     result = assessor.finish(engine, model_queries=assessor.queries)
     return replace(result, seconds=time.perf_counter() - started)
