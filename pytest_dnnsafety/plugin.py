@@ -334,7 +334,7 @@ class DnnSafetyPlugin:
         rows = self.all_results()
         tr.write_sep("=", "dependability gates")
         tr.write_line(header_line(self.environment))
-        for text, markup in render_table(rows, width=tr._tw.fullwidth):
+        for text, markup in render_table(rows):
             tr.write_line(text, **markup)
         for r in rows:
             if r.status in ("failed", "error"):

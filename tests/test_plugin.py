@@ -237,3 +237,23 @@ def test_plugin_import_does_not_import_torch(pytester: pytest.Pytester) -> None:
     out = pytester.run(sys.executable, "-c",
                        "import sys, pytest_dnnsafety, pytest_dnnsafety.plugin; print('torch' in sys.modules)")
     assert out.stdout.lines[-1] == "False"
+
+
+def test_junit_gate_output_reaches_classes_and_parametrized_tests(gate_project: GateProject) -> None:
+    xmlschema = pytest.importorskip("xmlschema")
+    gate_project.write("sub/test_nested.py", """
+        import pytest
+
+        class TestGroup:
+            @pytest.mark.min_scene_coverage(0.1)
+            @pytest.mark.parametrize("k", [1, 2])
+            def test_param(self, scenario_table, k):
+                pass
+    """)
+    gate_project.run("--junitxml=junit.xml", "-o", "junit_suite_name=dnn", "--junitprefix=pre")
+    path = gate_project.pytester.path / "junit.xml"
+    xmlschema.XMLSchema(str(JUNIT_XSD)).validate(str(path))
+    cases = ElementTree.parse(path).findall(".//testcase")
+    assert {(c.get("classname"), c.get("name")) for c in cases} == {
+        ("pre.sub.test_nested.TestGroup", "test_param[1]"), ("pre.sub.test_nested.TestGroup", "test_param[2]")}
+    assert all("[dnnsafety] PASSED min_scene_coverage" in (c.findtext("system-out") or "") for c in cases)

@@ -27,7 +27,7 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 1)] + "…"
 
 
-def render_table(results: Sequence[GateResult], width: int = 120) -> list[tuple[str, dict[str, bool]]]:
+def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[str, dict[str, bool]]]:
     """Rows as (text, markup) pairs, grouped under their test file; the verdict carries the colour."""
     head = ("test", "metric", "value", "bound", "threshold", "verdict")
     cells = []
