@@ -389,6 +389,10 @@ def _methods(value: Any) -> str | None:
     return f"unknown method(s) {bad}; use {', '.join(_PMI_METHODS)}" if bad else None
 
 
+def _none_or_positive(value: Any) -> str | None:
+    return None if value is None or value >= 1 else f"{value!r} must be >= 1"
+
+
 def _is_layer(value: Any) -> str | None:
     return None if value else "must be a non-empty module name such as 'features.3'"
 
@@ -401,6 +405,7 @@ def _is_finite(value: Any) -> str | None:
     return None if math.isfinite(value) else f"{value!r} is not finite"
 
 
+_K = Param("k", (int,), 2, _in_range(1, 3), "use k = 1, 2 or 3")
 _LAYER = Param("layer", (str,), REQUIRED, _is_layer,
                "name the layer as in model.named_modules(), e.g. layer='features.3'")
 _ACT_THRESHOLD = Param("activation_threshold", (int, float), 0.0, _is_finite,
@@ -417,7 +422,7 @@ GATES: dict[str, GateDef] = {
             op=">=",
             threshold_range=(0.0, 1.0),
             params=(
-                Param("k", (int,), 2, _in_range(1, 3), "use k = 1, 2 or 3"),
+                _K,
                 Param("min_count", (int,), 1, _in_range(1, 10**9),
                       "use a positive integer: a cell counts as covered with at least min_count rows"),
                 Param("where", (dict, type(None)), None, _check_where,
@@ -433,7 +438,7 @@ GATES: dict[str, GateDef] = {
             metric="neuron k-activation coverage",
             op=">=",
             threshold_range=(0.0, 1.0),
-            params=(_LAYER, Param("k", (int,), 2, _in_range(1, 3), "use k = 1, 2 or 3"), _ACT_THRESHOLD, _REDUCE),
+            params=(_LAYER, _K, _ACT_THRESHOLD, _REDUCE),
             fixtures={"model": "model", "data": "dataset"},
             measure=_measure_neuron_k_activation,
             doc="fail unless the data shows at least `threshold` of all on/off patterns of every k-tuple of "
@@ -478,7 +483,7 @@ GATES: dict[str, GateDef] = {
                 Param("mass", (str,), "exact", _one_of("exact", "centre"),
                       "exact box integrals, or centre (the paper's eq. 9)"),
                 Param("mass_target", (int, float), 1.0, _in_range(1e-9, 1.0), "a share of OP mass in (0, 1]"),
-                Param("max_cells", (int, type(None)), None, lambda v: None if v is None or v >= 1 else "must be >= 1",
+                Param("max_cells", (int, type(None)), None, _none_or_positive,
                       "a positive cell budget or None"),
                 Param("conservative_rest", (bool,), True, None, "True counts unevaluated mass as failing"),
                 Param("failures", (list, tuple, type(None)), None, _pairs,
@@ -491,7 +496,7 @@ GATES: dict[str, GateDef] = {
                       lambda v: None if v is None else _positive_or_auto(v),
                       "ball radius: a positive number or 'auto' (r-hat under the norm)"),
                 Param("norm", (str,), "linf", _one_of("linf", "l2"), "linf or l2"),
-                Param("max_balls", (int, type(None)), None, lambda v: None if v is None or v >= 1 else "must be >= 1",
+                Param("max_balls", (int, type(None)), None, _none_or_positive,
                       "a positive number of balls or None (all operational inputs)"),
                 Param("clip", (list, tuple, type(None)), None,
                       lambda v: None if v is None or (len(v) == 2 and all(isinstance(c, (int, float)) for c in v)

@@ -116,17 +116,19 @@ def load_model(settings: Settings, device: torch.device) -> Any:
     """The model named by ``dnnsafety_model`` (and ``dnnsafety_model_factory``), in eval mode."""
     resolved = settings.require("model", "the model")
     factory_setting = settings.get("model_factory")
+    exported = False
     if resolved.is_factory:
         model = import_factory(resolved.value, resolved.source, settings.ini_dir)()
     else:
         path = _existing_file(settings, resolved)
         model = _load_model_file(path, resolved, settings, factory_setting)
+        # A torch.export program's train/eval behaviour was fixed when it was exported (export it
+        # from a model in eval mode); its module refuses .eval().
+        exported = path.suffix == ".pt2"
     if isinstance(model, torch.nn.Module):
         model = model.to(device)
-        try:
-            model = model.eval()
-        except NotImplementedError:
-            pass  # a torch.export program: its train/eval behaviour was fixed when it was exported
+        if not exported:
+            model.eval()
     elif not callable(model):
         raise ModelLoadError(
             f"dnnsafety_model={resolved.value!r} (from {resolved.source}) gave a "

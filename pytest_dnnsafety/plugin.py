@@ -204,8 +204,10 @@ class DnnSafetyPlugin:
         self.order = {item.nodeid: i for i, item in enumerate(items)}
         plan: dict[tuple[str, str], set[str]] = {}
         for item in items:
-            # Markers added after collection (item.add_marker in a conftest) are validated here too.
-            if _SPECS not in item.stash or any(m.name in GATES for m in item.iter_markers()):
+            # Markers added after collection (item.add_marker in a conftest) are validated here too;
+            # items whose gates were all parsed at collection are not parsed again.
+            marks = sum(m.name in GATES for m in item.iter_markers())
+            if _SPECS not in item.stash or marks != len(item.stash[_SPECS]):
                 try:
                     self._prepare(item)
                 except DnnSafetyError as exc:

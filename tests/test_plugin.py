@@ -257,3 +257,20 @@ def test_junit_gate_output_reaches_classes_and_parametrized_tests(gate_project: 
     assert {(c.get("classname"), c.get("name")) for c in cases} == {
         ("pre.sub.test_nested.TestGroup", "test_param[1]"), ("pre.sub.test_nested.TestGroup", "test_param[2]")}
     assert all("[dnnsafety] PASSED min_scene_coverage" in (c.findtext("system-out") or "") for c in cases)
+
+
+def test_gate_marker_added_by_a_conftest_hook_is_validated_and_runs(gate_project: GateProject) -> None:
+    gate_project.write("conftest.py", """
+        import pytest
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                item.add_marker(pytest.mark.min_scene_coverage(0.5))
+    """)
+    gate_project.tests("""
+        def test_gets_a_gate(scenario_table):
+            pass
+    """)
+    result = gate_project.run()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*min_scene_coverage: 0.286 < 0.500*"])

@@ -235,6 +235,21 @@ def test_labels_outside_num_classes_are_rejected() -> None:
                            samples_per_cell=4, bootstrap=0, num_classes=3)
 
 
+def test_a_label_out_of_range_in_a_later_batch_is_rejected_after_the_loop() -> None:
+    calls = []
+
+    def late_bad(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        labels = torch.zeros(x.shape[0], dtype=torch.int64)
+        if len(calls) > 1:  # the probe passes; a sampling batch predicts class 7
+            labels[-1] = 7
+        return labels
+
+    with pytest.raises(MetricError, match="predicted label 7, outside 0..2"):
+        assess_reliability(late_bad, _uniform(100, 0), eps=0.5, box=UNIT_BOX, samples_per_cell=4, bootstrap=0,
+                           num_classes=3)
+
+
 # ====================================================================== bad inputs at the top level
 def test_bad_inputs_have_clear_errors() -> None:
     model = lambda x: _truth(x)  # noqa: E731

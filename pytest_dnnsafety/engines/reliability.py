@@ -624,7 +624,11 @@ class _ModelAdapter:
 
 
 def _check_label_range(preds: Tensor, k: int) -> None:
-    lo, hi = int(preds.min()), int(preds.max())
+    """Refuse labels outside ``0..k-1`` (one host sync: call it outside batch loops)."""
+    _check_label_bounds(int(preds.min()), int(preds.max()), k)
+
+
+def _check_label_bounds(lo: int, hi: int, k: int) -> None:
     if lo < 0 or hi >= k:
         raise MetricError(
             f"the model predicted label {hi if hi >= k else lo}, outside 0..{k - 1}. Fix: pass num_classes "
@@ -1269,7 +1273,13 @@ class ReliabilityAssessor:
             x = x.to(self.input_dtype)
         preds = adapter(x)
         if adapter.outputs_labels:
-            _check_label_range(preds, engine.num_classes)
+            # Label range: extremes kept on the device and checked once after the loop (no host sync
+            # per batch); clamped meanwhile so the tally stays in range (a bad run raises anyway).
+            lo, hi = preds.min().reshape(1), preds.max().reshape(1)
+            self._label_extremes = (torch.cat([lo, hi]) if self._label_extremes is None else
+                                    torch.stack([torch.minimum(self._label_extremes[0], lo[0]),
+                                                 torch.maximum(self._label_extremes[1], hi[0])]))
+            preds = preds.clamp(0, engine.num_classes - 1)
         engine.update_local(local, preds, *cell_range)
         return int(local.shape[0])
 
@@ -1313,6 +1323,7 @@ class ReliabilityAssessor:
             raise ConfigError(f"rank {rank} must be below world_size {world_size}")
         adapter = _ModelAdapter(model, self.num_classes)
         self.queries = 0
+        self._label_extremes: Tensor | None = None
         if self.n_sampled_cells == 0:
             return engine if engine is not None else self.new_engine(self.num_classes or 2)
         k = self._probe(adapter)
@@ -1339,6 +1350,9 @@ class ReliabilityAssessor:
             stop = min(last, block + per_batch)
             self.queries += self._run_blocks(adapter, engine, block, stop, dtype, corners)
             block = stop
+        if self._label_extremes is not None:
+            lo, hi = self._label_extremes.tolist()
+            _check_label_bounds(int(lo), int(hi), engine.num_classes)
         return engine
 
     def _initial_blocks(self) -> int:
