@@ -22,7 +22,9 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Setting", "Resolved", "Settings", "SETTINGS", "FACTORY_RE", "parse_device", "parse_setting"]
+__all__ = [
+    "Setting", "Resolved", "Settings", "SETTINGS", "FACTORY_RE", "MAX_SEED", "parse_device", "parse_setting",
+]
 
 #: ``package.module:callable`` (a factory) rather than a file path.
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -31,6 +33,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 _MISSING = object()
+
+#: The largest seed accepted. Seeds reach torch.Generator.manual_seed (64-bit), int64 tensors and
+#: the evidence files; a larger value would be accepted at start and crash a gate later.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class Setting:
     default: Any
     help: str
     fix: str
-    minimum: int | None = None
+    minimum: int | None = None  # inclusive bounds of an "int" setting
+    maximum: int | None = None
 
     @property
     def ini(self) -> str:
@@ -98,8 +105,8 @@ _SETTING_LIST = [
         "device for engines and the model: auto | cpu | cuda | cuda:N | mps",
         "use one of auto, cpu, cuda, cuda:N, mps",
     ),
-    Setting("seed", "int", 0, "seed for every random choice the gates make (int >= 0)",
-            "use a non-negative integer such as 1234", minimum=0),
+    Setting("seed", "int", 0, "seed for every random choice the gates make (0 <= int <= 2**63-1)",
+            "use a non-negative integer below 2**63 such as 1234", minimum=0, maximum=MAX_SEED),
     Setting("batch_size", "int", 256, "batch size of forward passes and engine updates (int >= 1)",
             "use a positive integer such as 256", minimum=1),
     Setting("json", "path", None, "write the dependability evidence (JSON) to this path",
@@ -151,6 +158,9 @@ def _parse(setting: Setting, raw: Any) -> Any:
             raise ValueError("expected an integer") from None
         if setting.minimum is not None and value < setting.minimum:
             raise ValueError(f"must be >= {setting.minimum}")
+        if setting.maximum is not None and value > setting.maximum:
+            note = " (2**63-1: a seed must fit a signed 64-bit integer)" if setting.maximum == MAX_SEED else ""
+            raise ValueError(f"must be <= {setting.maximum}{note}")
         return value
     if kind == "bool":
         if isinstance(raw, bool):

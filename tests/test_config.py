@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_dnnsafety.config import FACTORY_RE, SETTINGS, Resolved, Settings
+from pytest_dnnsafety.config import FACTORY_RE, MAX_SEED, SETTINGS, Resolved, Settings
 from pytest_dnnsafety.errors import ConfigError, DnnSafetyError
 
 MARKER = "min_scene_coverage"
@@ -191,6 +191,38 @@ def test_seed_float_from_marker_is_not_an_integer(tmp_path: Path) -> None:
         make_settings(tmp_path).get("seed", 1.5, marker=MARKER)
 
 
+def test_largest_seed_is_accepted(tmp_path: Path) -> None:
+    assert MAX_SEED == 2**63 - 1
+    assert make_settings(tmp_path, ini={"seed": str(MAX_SEED)}).value("seed") == MAX_SEED
+
+
+def test_seed_beyond_64_bits_from_ini_is_refused_at_start(tmp_path: Path) -> None:
+    message = config_error(make_settings(tmp_path, ini={"seed": "100000000000000000000000"}), "seed")
+    first = message.splitlines()[0]
+    assert first.startswith("dnnsafety_seed='100000000000000000000000'")
+    assert ini_source(tmp_path, "seed") in first
+    assert "must be <= 9223372036854775807 (2**63-1" in first
+    assert "Fix: use a non-negative integer below 2**63" in first
+
+
+@pytest.mark.parametrize("seed", [10**23, MAX_SEED + 1], ids=["10**23", "2**63"])
+def test_seed_beyond_64_bits_as_marker_int_names_the_marker(tmp_path: Path, seed: int) -> None:
+    with pytest.raises(ConfigError, match=rf"^dnnsafety_seed={seed} \(from marker @pytest.mark.{MARKER}\(seed=\.\.\.\)\): "
+                                          r"must be <= 9223372036854775807"):
+        make_settings(tmp_path).get("seed", seed, marker=MARKER)
+
+
+@pytest.mark.parametrize("level", ["cli", "env"])
+def test_seed_beyond_64_bits_names_cli_and_env_sources(tmp_path: Path, level: str) -> None:
+    message = config_error(make_settings(tmp_path, **{level: {"seed": str(2**64)}}), "seed")
+    assert (SETTINGS["seed"].cli if level == "cli" else SETTINGS["seed"].env) in message
+    assert "must be <= 9223372036854775807" in message
+
+
+def test_batch_size_has_no_upper_bound(tmp_path: Path) -> None:
+    assert make_settings(tmp_path, ini={"batch_size": str(2**70)}).value("batch_size") == 2**70
+
+
 def test_batch_size_zero_from_env_names_the_variable(tmp_path: Path) -> None:
     message = config_error(make_settings(tmp_path, env={"batch_size": "0"}), "batch_size")
     assert "dnnsafety_batch_size='0'" in message
@@ -324,9 +356,9 @@ def test_non_string_value_is_not_a_factory() -> None:
 # ---------------------------------------------------------------------------------------- property
 
 
-@given(seed=st.integers(min_value=0, max_value=2**128), level=st.sampled_from(["marker", "cli", "env", "ini"]),
+@given(seed=st.integers(min_value=0, max_value=MAX_SEED), level=st.sampled_from(["marker", "cli", "env", "ini"]),
        pad=st.sampled_from(["", " ", "\t"]))
-def test_any_non_negative_seed_string_round_trips(seed: int, level: str, pad: str) -> None:
+def test_any_seed_in_range_round_trips(seed: int, level: str, pad: str) -> None:
     raw = f"{pad}{seed}{pad}"
     settings = make_settings(Path("/nonexistent"), **({} if level == "marker" else {level: {"seed": raw}}))
     resolved = settings.get("seed", raw, marker=MARKER) if level == "marker" else settings.get("seed")

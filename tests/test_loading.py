@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -156,7 +155,9 @@ def test_torch_export_program_loads(tmp_path: Path, x: torch.Tensor) -> None:
 def test_torch_export_file_that_is_not_a_program_is_refused(tmp_path: Path) -> None:
     (tmp_path / "m.pt2").write_bytes(b"not a zip archive")
     message = expect_model_error(make_settings(tmp_path, model="m.pt2"), ModelLoadError)
-    assert "dnnsafety_model='m.pt2'" in message and "not a loadable torch.export program" in message
+    assert "dnnsafety_model='m.pt2'" in message
+    assert "m.pt2 is not a valid torch.export program (.pt2) file: found text starting with 'not a zip" in message
+    assert "dnnsafety_allow_pickle" not in message
 
 
 @pytest.mark.parametrize("wrap", [lambda sd: sd, lambda sd: {"state_dict": sd, "epoch": 3}],
@@ -271,7 +272,9 @@ def test_missing_model_file_names_the_resolved_path_and_source(tmp_path: Path, l
 
 def test_model_folder_is_not_a_file(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
-    assert "file not found" in expect_model_error(make_settings(tmp_path, model="models"), ConfigError)
+    message = expect_model_error(make_settings(tmp_path, model="models"), ConfigError)
+    assert f"{tmp_path / 'models'} is a directory, not a file" in message
+    assert "Fix: point dnnsafety_model at a model file" in message
 
 
 def test_model_unset_names_the_option_and_the_fixture(tmp_path: Path) -> None:
