@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import ConfigError, DataError, MetricError
+from .errors import ConfigError, DataError, DnnSafetyError, MetricError
 from .loading import iter_batches
 
-__all__ = ["LayerActivations", "ActivationCache", "capture", "layer_names", "REDUCTIONS"]
+__all__ = ["LayerActivations", "ActivationCache", "capture", "check_layers", "layer_names", "REDUCTIONS"]
 
 #: How a multi-dimensional unit (a conv channel) becomes one number per input.
 REDUCTIONS = ("max", "mean")
@@ -57,14 +57,59 @@ def layer_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name]
 
 
+_EAGER_FIX = ("Fix: give the eager torch.nn.Module (dnnsafety_model_factory + a state dict, or a `model` fixture "
+              "that builds the module and loads its weights)")
+
+
+def _is_exported(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is the module of a ``torch.export`` program (``torch.export.load(...).module()``)."""
+    return isinstance(model, torch.fx.GraphModule) and any(
+        cls.__name__ == "_StatefulGraphModule" or cls.__module__.startswith("torch.export") for cls in type(model).__mro__
+    )
+
+
+def _hookable(model: torch.nn.Module, layer: str) -> bool:
+    """False when a forward hook on ``layer`` certainly never fires: the model is an fx/export graph
+    whose code calls no module at (or above) that name — it runs the layer's operations inline."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return True
+    called = {str(node.target) for node in model.graph.nodes if node.op == "call_module"}
+    return any(layer == target or layer.startswith(target + ".") for target in called)
+
+
+def _check_hooks_work(model: torch.nn.Module, layer: str) -> None:
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ConfigError(
+            f"layer {layer!r}: layer activations need forward hooks, which TorchScript modules do not support "
+            f"(the model is a {type(model).__name__}, e.g. from torch.jit.load: register_forward_hook fails on it, "
+            f"and hooks on its submodules never run). {_EAGER_FIX}."
+        )
+    if not _hookable(model, layer):
+        kind = "a torch.export program's module" if _is_exported(model) else "an fx GraphModule"
+        raise ConfigError(
+            f"layer {layer!r}: layer activations need forward hooks, and {kind} never calls that layer as a "
+            f"module (its graph runs the layers' operations inline; submodules survive only as holders of "
+            f"weights, layers without weights not at all), so a hook on it would never fire. {_EAGER_FIX}."
+        )
+
+
+def check_layers(model: Any, layers: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` unless forward hooks on ``layers`` of ``model`` work (before any pass)."""
+    _resolve_layers(model, layers)
+
+
 def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Module]:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             f"layer activations need a torch.nn.Module with named submodules; the model is a "
             f"{type(model).__name__}. Fix: give a torch.nn.Module as the `model` fixture."
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        _check_hooks_work(model, layers[0] if layers else "")
     modules = dict(model.named_modules())
     unknown = [layer for layer in layers if layer not in modules or not layer]
+    if unknown and _is_exported(model):
+        _check_hooks_work(model, unknown[0])  # the layer exists in the eager model; say why it is gone
     if unknown:
         available = layer_names(model)
         shown = ", ".join(available[:40]) + (", …" if len(available) > 40 else "")
@@ -72,7 +117,17 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
             f"unknown layer {unknown[0]!r}: the model has no such submodule. Fix: use a name from "
             f"model.named_modules(): {shown}"
         )
+    for layer in layers:
+        _check_hooks_work(model, layer)
     return {layer: modules[layer] for layer in layers}
+
+
+def _set_mode(model: torch.nn.Module, training: bool) -> None:
+    """``model.train(training)``; a ``torch.export`` module refuses it (its mode was fixed at export)."""
+    try:
+        model.train(training)
+    except NotImplementedError:
+        pass
 
 
 def _model_device(model: torch.nn.Module, fallback: torch.device) -> torch.device:
@@ -91,15 +146,22 @@ def capture(
 ) -> dict[str, LayerActivations]:
     """One forward pass over ``data`` recording per-neuron reductions of ``layers``.
 
-    Batches go to the model's own device (``device`` only for a model without parameters);
-    the reductions stay there. No host synchronisation inside the batch loop: finiteness of
-    the captured values is checked once at the end.
+    Batches come from :func:`~pytest_dnnsafety.loading.iter_batches` (which refuses data in a
+    random order: row i must stay sample i) and go to the model's own device (``device`` only for
+    a model without parameters); the reductions stay there. Every call of the model goes through
+    a :class:`~pytest_dnnsafety.outputs.ForwardGuard`: an exception becomes a
+    :class:`MetricError` naming the batch, the shapes and dtypes and a fix, and the model's final
+    output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
+    finiteness of the outputs and of the captured values is checked once at the end.
     """
+    from .outputs import ForwardGuard
+
     modules = _resolve_layers(model, layers)
     target = _model_device(model, torch.device(device))
     maxima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     shapes: dict[str, tuple[int, ...]] = {}
+    sizes: list[int] = []  # rows per batch (host-side shapes, no sync)
 
     def hook_for(layer: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -116,24 +178,48 @@ def capture(
 
         return hook
 
+    guard = ForwardGuard("layer activations (forward pass of the neuron gates)", labels_ok=True)
     was_training = model.training
     handles = [module.register_forward_hook(hook_for(layer)) for layer, module in modules.items()]
     try:
-        model.eval()
+        _set_mode(model, False)
         with torch.no_grad():
             for x, _ in iter_batches(data, batch_size):
-                model(x.to(target, non_blocking=True))
+                x = x.to(target, non_blocking=True)
+                guard(model, x)
+                sizes.append(int(x.shape[0]))
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
+        _set_mode(model, was_training)
+    if not sizes:
+        raise DataError("no inputs: the data set is empty. Fix: provide evaluation data with at least one sample.")
+    guard.check()
     result = {}
     for layer in layers:
-        if not maxima[layer]:
-            raise DataError("no inputs: the data set is empty. Fix: provide evaluation data with at least one sample.")
+        if len(maxima[layer]) != len(sizes):
+            raise MetricError(
+                f"layer {layer!r} was called {len(maxima[layer])} time(s) in {len(sizes)} batch(es); neuron metrics "
+                f"need exactly one output per input. Fix: name a layer the model calls once per forward pass "
+                f"(not a reused or unused module)."
+            )
         mx, mn = torch.cat(maxima[layer]), torch.cat(means[layer])
-        if not bool(torch.isfinite(mx).all() and torch.isfinite(mn).all()):
-            raise DataError(f"layer {layer!r} produced NaN/inf activations. Fix: check the inputs and the model.")
+        if mx.shape[0] != sum(sizes):
+            raise MetricError(
+                f"layer {layer!r} produced {mx.shape[0]} rows for {sum(sizes)} inputs; neuron metrics need the "
+                f"batch as the first dimension of the layer's output."
+            )
+        bad = ~(torch.isfinite(mx).all(dim=1) & torch.isfinite(mn).all(dim=1))
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0])
+            batch, start = 0, 0
+            while start + sizes[batch] <= first:
+                start += sizes[batch]
+                batch += 1
+            raise MetricError(
+                f"layer {layer!r} produced NaN/inf activations for {int(bad.sum())} of {mx.shape[0]} inputs; the first "
+                f"is input {first} (batch {batch}). Fix: check the model's weights and the inputs' range."
+            )
         result[layer] = LayerActivations(layer, mx, mn, shapes[layer])
     return result
 
@@ -147,6 +233,7 @@ class ActivationCache:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, int, str], LayerActivations] = {}
+        self._errors: dict[tuple[int, int, str], Exception] = {}
         self._keep: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.forward_passes = 0
 
@@ -160,21 +247,45 @@ class ActivationCache:
         device: torch.device | str,
         plan: Iterable[str] = (),
     ) -> dict[str, LayerActivations]:
-        """Activations of ``layers``; missing ones (and the plan's other layers) in one pass."""
+        """Activations of ``layers``; missing ones (and the plan's other layers) in one pass.
+
+        A pass that fails (the model raised, its outputs were NaN/inf or of the wrong shape, the
+        data was refused) fails every gate that needs one of its layers with the same error: the
+        error is cached for all of the pass's layers, and the pass is not retried per gate.
+        """
         pair = (id(model), id(data))
+        for layer in layers:
+            if (*pair, layer) in self._errors:
+                raise self._errors[(*pair, layer)]
         missing = [layer for layer in layers if (*pair, layer) not in self._entries]
         if missing:
-            extra = [layer for layer in plan if layer not in missing and (*pair, layer) not in self._entries]
+            # This gate's own layers first: an unknown or unhookable layer is this gate's error alone.
+            check_layers(model, missing)
+            extra = [layer for layer in plan if layer not in missing and (*pair, layer) not in self._entries
+                     and (*pair, layer) not in self._errors]
             if extra:  # a bad planned layer must not break this gate; its own gate reports it
-                valid = set(layer_names(model)) if isinstance(model, torch.nn.Module) else set()
-                extra = [layer for layer in extra if layer in valid]
-            captured = capture(model, data, [*missing, *extra], batch_size=batch_size, device=device)
-            self.forward_passes += 1
+                extra = [layer for layer in extra if _layer_ok(model, layer)]
             self._keep[pair] = (model, data)
+            self.forward_passes += 1
+            try:
+                captured = capture(model, data, [*missing, *extra], batch_size=batch_size, device=device)
+            except DnnSafetyError as exc:
+                for layer in (*missing, *extra):
+                    self._errors[(*pair, layer)] = exc
+                raise
             for layer, acts in captured.items():
                 self._entries[(*pair, layer)] = acts
         return {layer: self._entries[(*pair, layer)] for layer in layers}
 
     def clear(self) -> None:
         self._entries.clear()
+        self._errors.clear()
         self._keep.clear()
+
+
+def _layer_ok(model: Any, layer: str) -> bool:
+    try:
+        check_layers(model, [layer])
+    except ConfigError:
+        return False
+    return True

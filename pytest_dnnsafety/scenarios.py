@@ -24,7 +24,7 @@ import csv
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any, Union
@@ -44,6 +44,8 @@ __all__ = [
     "CoverageResult",
     "ScenarioTable",
     "SubsetCoverage",
+    "check_rows_match",
+    "count_samples",
 ]
 
 #: Largest number of joint assignments of one group of restricted conditions that is
@@ -560,6 +562,8 @@ class ScenarioTable:
             raise DataError(f"conditions must be a Conditions object, got {type(conditions).__name__}")
         self.conditions = conditions
         self._source = source
+        #: CSV line of each row (set by :meth:`from_csv`; ``None`` for tables built in code)
+        self._lines: tuple[int, ...] | None = None
         if isinstance(rows, Tensor):
             self.codes = _check_code_tensor(rows, conditions, source)
         else:
@@ -642,7 +646,9 @@ class ScenarioTable:
                     f"{where}, line {lines[row]}, column {j + 1} ({name!r}): value {column[row]!r} is not in the "
                     f"domain {list(conditions.domains[name])}; fix the value or add it to the conditions file"
                 ) from None
-        return cls(conditions, codes, source=where)
+        table = cls(conditions, codes, source=where)
+        table._lines = tuple(lines)
+        return table
 
     # ------------------------------------------------------------------ table basics
     def __len__(self) -> int:
@@ -716,6 +722,55 @@ class ScenarioTable:
         narrowed = self.conditions._narrowed(selected)
         return ScenarioTable(narrowed, codes[keep], source=self._source)
 
+    def restriction_violations(self, where: Where | None = None, limit: int = 5) -> tuple[int, list[dict[str, Any]]]:
+        """Rows that break a declared restriction: ``(total, the first `limit` of them)``.
+
+        Each listed row is ``{"row": i, "line": CSV line or None, "restriction": r, "values": {...}}``:
+        ``row`` is the 0-based row index (= the index of the sample it describes), ``line`` the
+        1-based line of the CSV file it came from, ``restriction`` the 1-based number of the first
+        restriction it matches (in the conditions file's order) and ``values`` the row's values of
+        that restriction's conditions. With ``where``, only rows matching it count.
+        """
+        if not len(self):
+            return 0, []
+        bad = ~self.conditions.feasible_mask(self.codes)
+        if where is not None:
+            bad &= self.row_mask(where)
+        total = int(bad.sum())
+        examples: list[dict[str, Any]] = []
+        names, domains = self.conditions.names, self.conditions.domains
+        for i in torch.nonzero(bad).reshape(-1)[: max(limit, 0)].tolist():
+            codes = self.codes[i].tolist()
+            number, parts = next(
+                (n, parts)
+                for n, parts in enumerate(self.conditions._coded, start=1)
+                if all(bool(allowed[codes[c]]) for c, allowed in parts)
+            )
+            examples.append({
+                "row": i,
+                "line": None if self._lines is None else self._lines[i],
+                "restriction": number,
+                "values": {names[c]: domains[names[c]][codes[c]] for c, _ in parts},
+            })
+        return total, examples
+
+    def _refuse_violations(self, where: Where | None) -> None:
+        total, examples = self.restriction_violations(where)
+        if not total:
+            return
+        shown = "; ".join(_format_violation(e) for e in examples)
+        more = f" (first {len(examples)} of {total} shown)" if total > len(examples) else ""
+        in_scope = "" if where is None else " (among the rows selected by where)"
+        error = DataError(
+            f"{total} scenario row(s){in_scope} break a declared restriction: {shown}{more}. Rows are 0-based sample "
+            f"indices (row i describes sample i of the data). A scenario the restrictions call impossible cannot "
+            f"describe an evaluation sample, and counting it would inflate coverage. Fix: correct those rows in "
+            f"{self._source or 'the scenario table'}, or the restriction in the conditions file if the combination "
+            f"can occur"
+        )
+        error.details = {"infeasible_rows": total, "infeasible_row_examples": examples}  # type: ignore[attr-defined]
+        raise error
+
     # ------------------------------------------------------------------ coverage
     def coverage(
         self,
@@ -724,6 +779,7 @@ class ScenarioTable:
         where: Where | None = None,
         propose: int = 5,
         seed: int = 0,
+        allow_infeasible_rows: bool = False,
     ) -> CoverageResult:
         """Scenario k-projection coverage (Cheng et al. 2018, §II-A, eq. (1)) with holes and proposals.
 
@@ -733,9 +789,12 @@ class ScenarioTable:
             where: restrict to rows with these values (their domains narrow to them too).
             propose: how many new scenarios to propose (greedy, AETG-style); 0 for none.
             seed: seed of the proposals' random tie-breaking.
+            allow_infeasible_rows: count rows that break a restriction instead of refusing them
+                (they are listed in ``infeasible_row_examples``).
 
         No rows give coverage 0 with every cell uncovered. Raises :class:`MetricError` when no
-        cell is feasible.
+        cell is feasible, and :class:`DataError` listing the rows (0-based index, CSV line and
+        values) when rows in scope break a declared restriction, unless ``allow_infeasible_rows``.
         """
         if isinstance(propose, bool) or not isinstance(propose, int) or propose < 0:
             raise ConfigError(f"propose must be a non-negative int, got {propose!r}")
@@ -758,6 +817,8 @@ class ScenarioTable:
                 f"scenario coverage{scope} is undefined: the restrictions make every k={k} cell infeasible; "
                 f"relax the restrictions{' or widen where' if scope else ''}"
             )
+        if not allow_infeasible_rows:
+            self._refuse_violations(where)
         engine = ScenarioCoverageEngine(
             conditions.cardinalities, k=k, min_count=min_count, feasible=feasible, names=conditions.names
         )
@@ -792,7 +853,7 @@ class ScenarioTable:
         ]
         deficit = torch.where(out.feasible, (min_count - out.counts).clamp(min=0), torch.zeros_like(out.counts))
         proposals, closes = _propose(conditions, layout, deficit, propose, seed) if propose else ([], [])
-        infeasible_rows = int((~conditions.feasible_mask(table.codes)).sum()) if len(table) else 0
+        infeasible_rows, infeasible_examples = self.restriction_violations(where)
         return CoverageResult(
             value=float(out.value),
             covered=int(out.covered),
@@ -809,6 +870,7 @@ class ScenarioTable:
             proposals=[conditions.decode(p) for p in proposals],
             proposal_closes=closes,
             infeasible_rows=infeasible_rows,
+            infeasible_row_examples=infeasible_examples,
         )
 
     def strategy(self, k: int = 2) -> SearchStrategy[dict[str, str]]:
@@ -826,7 +888,7 @@ class ScenarioTable:
         except ImportError:  # pragma: no cover - hypothesis is a test dependency
             raise ConfigError("ScenarioTable.strategy needs hypothesis; pip install hypothesis") from None
         conditions = self.conditions
-        result = self.coverage(k=k, propose=0)
+        result = self.coverage(k=k, propose=0, allow_infeasible_rows=True)
         n = len(conditions)
         generator = torch.Generator().manual_seed(0)
         pool: list[tuple[dict[str, str], dict[str, str]]] = []
@@ -869,6 +931,65 @@ class ScenarioTable:
             return ordered if conditions.is_feasible(ordered) else dict(witness)
 
         return scenarios()
+
+
+def _format_violation(example: Mapping[str, Any]) -> str:
+    line = "" if example["line"] is None else f" (CSV line {example['line']})"
+    values = " × ".join(f"{c}={v}" for c, v in example["values"].items())
+    return f"row {example['row']}{line}: {values} (restriction #{example['restriction']})"
+
+
+def count_samples(data: Any) -> int:
+    """The number of samples in ``data`` without materialising it where its length is known.
+
+    ``TensorDataset`` and any sized dataset: ``len``; a tensor or array: ``shape[0]``; ``(x, y)``
+    or ``{"x": ...}``: rows of ``x``; a ``DataLoader``: the length of its sampler, less a dropped
+    last batch (iterated once, counting rows, only when that length is unknown).
+    """
+    from .loading import as_tensors, iter_batches
+
+    if isinstance(data, torch.utils.data.DataLoader):
+        try:  # the samples the loader yields: its sampler's length, less a dropped last batch
+            n = len(data.sampler) if data.batch_sampler is not None else len(data.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return sum(int(x.shape[0]) for x, _ in iter_batches(data, 1))
+        if data.drop_last and data.batch_size:
+            n -= n % data.batch_size
+        return n
+    if isinstance(data, torch.utils.data.TensorDataset):
+        return int(data.tensors[0].shape[0])
+    if isinstance(data, Mapping) and "x" in data:
+        data = data["x"]
+    elif isinstance(data, (tuple, list)) and len(data) in (1, 2) and hasattr(data[0], "shape"):
+        data = data[0]
+    shape = getattr(data, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
+        return len(data)  # type: ignore[arg-type]
+    return int(as_tensors(data)[0].shape[0])
+
+
+def check_rows_match(
+    table: ScenarioTable, n_samples: int, *, table_fixture: str = "scenario_table", data_fixture: str = "dataset"
+) -> None:
+    """Refuse a scenario table whose row count differs from the data's sample count.
+
+    Row i of the scenario table describes sample i of the data: extra rows describe no sample
+    (and can raise coverage), missing rows leave samples without a scenario (and shift ``where``).
+    """
+    rows = len(table)
+    if rows == n_samples:
+        return
+    diff = abs(rows - n_samples)
+    why = (f"{diff} row(s) describe no sample" if rows > n_samples
+           else f"{diff} sample(s) have no scenario row")
+    raise MetricError(
+        f"the scenario table has {rows} rows but the data has {n_samples} samples (fixtures {table_fixture!r} "
+        f"and {data_fixture!r}): {why}; row i of the scenario table must describe sample i of the data. Fix: "
+        f"give the scenario file (dnnsafety_scenarios) exactly one row per sample of the evaluation data "
+        f"(dnnsafety_data), in the data's order"
+    )
 
 
 def _format_where(where: Mapping[str, Sequence[str]] | None) -> str:
@@ -923,6 +1044,7 @@ class CoverageResult:
     proposals: list[dict[str, str]]
     proposal_closes: list[int]
     infeasible_rows: int = 0
+    infeasible_row_examples: list[dict[str, Any]] = field(default_factory=list)
 
     def detail(self, max_cells: int = 3) -> str:
         """The facts behind the value: ``k=2, 15/21 cells; uncovered: weather=cloudy × road=mud, …``.
@@ -972,6 +1094,9 @@ class CoverageResult:
             "where": None if self.where is None else {c: list(v) for c, v in self.where.items()},
             "feasibility_exact": self.feasibility_exact,
             "infeasible_rows": self.infeasible_rows,
+            "infeasible_row_examples": [
+                {**e, "values": dict(e["values"])} for e in self.infeasible_row_examples
+            ],
             "per_subset": [s.to_details() for s in self.per_subset],
             "n_uncovered": len(self.uncovered),
             "uncovered": capped(self.uncovered),

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pytest_dnnsafety.activations import ActivationCache, capture, layer_names
-from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 
 
 class Net(nn.Module):
@@ -71,7 +71,7 @@ def test_hooks_removed_and_mode_restored(net: Net, data: tuple) -> None:
 def test_hooks_removed_and_mode_restored_when_the_model_fails_mid_pass(net: Net, data: tuple) -> None:
     net.train()
     net.fail_at = 3
-    with pytest.raises(RuntimeError, match="boom mid-pass"):
+    with pytest.raises(MetricError, match="the model raised RuntimeError on batch 2 .*: boom mid-pass"):
         capture(net, data, ["features.1"], batch_size=4)
     assert _hook_count(net) == 0 and net.training
 
@@ -137,3 +137,229 @@ def test_a_bad_planned_layer_does_not_break_another_gate(net: Net, data: tuple) 
 
 def test_layer_names_are_the_named_modules(net: Net) -> None:
     assert layer_names(net)[:3] == ["features", "features.0", "features.1"]
+
+
+# ---------------------------------------------------------------------- the model is checked too (issue #7)
+class Conv8(nn.Module):
+    """The common case: a small conv net on (N, 1, 8, 8) images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 6), nn.ReLU(), nn.Linear(6, 3))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.classifier(self.features(x))
+
+
+class NanLogits(Conv8):
+    """Finite activations everywhere, NaN logits for inputs whose first pixel is above 5."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return torch.where(x[:, :1, 0, 0] > 5, torch.full_like(out, float("nan")), out)
+
+
+@pytest.fixture
+def conv() -> Conv8:
+    torch.manual_seed(0)
+    return Conv8()
+
+
+@pytest.fixture
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return torch.rand(40, 1, 8, 8, generator=gen), torch.randint(0, 3, (40,), generator=gen)
+
+
+def test_conv_model_on_8x8_images_is_captured(conv: Conv8, images: tuple) -> None:
+    acts = capture(conv, images, ["features.1", "classifier.2"], batch_size=16)
+    assert acts["features.1"].unit_shape == (4, 8, 8) and acts["features.1"].n_inputs == 40
+    assert acts["classifier.2"].n_neurons == 6 and conv.calls == 3
+
+
+def test_wrong_input_shape_names_the_batch_the_shape_and_the_fix(conv: Conv8, images: tuple) -> None:
+    flat = (images[0].flatten(1), images[1])  # (N, 64) into a conv net
+    with pytest.raises(MetricError) as info:
+        capture(conv, flat, ["features.1"], batch_size=16)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("layer activations (forward pass of the neuron gates): the model raised RuntimeError on "
+                            "batch 0 (inputs of shape (16, 64), float32, on cpu; model: Conv8 with float32 weights")
+    assert "Fix: give inputs in the shape the model expects" in first
+    assert _hook_count(conv) == 0
+
+
+def test_float64_weights_with_float32_images_names_both_dtypes(conv: Conv8, images: tuple) -> None:
+    conv.double()
+    with pytest.raises(MetricError) as info:
+        capture(conv, images, ["features.1"], batch_size=16)
+    first = str(info.value).splitlines()[0]
+    assert "the model raised RuntimeError on batch 0 (inputs of shape (16, 1, 8, 8), float32" in first
+    assert "Conv8 with float64 weights" in first
+    assert "Fix: the inputs are float32 but the model's weights are float64" in first
+
+
+def test_nan_logits_fail_the_capture_naming_the_first_bad_batch(images: tuple) -> None:
+    torch.manual_seed(0)
+    model = NanLogits()
+    x = images[0].clone()
+    x[35, 0, 0, 0] = 9.0  # batch 2 of 16 (rows 32..39)
+    x[38, 0, 0, 0] = 9.0
+    with pytest.raises(MetricError) as info:
+        capture(model, (x, images[1]), ["features.1", "classifier.2"], batch_size=16)
+    assert str(info.value).splitlines()[0].startswith(
+        "layer activations (forward pass of the neuron gates): the model's outputs hold NaN/inf in 2 of 40 inputs; "
+        "the first bad batch is batch 2.")
+
+
+def test_nan_activations_name_the_first_bad_input_and_batch(images: tuple) -> None:
+    class Blowup(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.where(x > 5, torch.full_like(x, float("inf")), x)
+
+    class NanInside(Conv8):  # inf inside, finite logits: only the activation check can see it
+        def __init__(self) -> None:
+            super().__init__()
+            self.features.insert(0, Blowup())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.nan_to_num(self.features(x), nan=0.0, posinf=0.0, neginf=0.0)
+            return self.classifier(hidden)
+
+    torch.manual_seed(0)
+    x = images[0].clone()
+    x[21, 0, 0, 0] = 9.0
+    with pytest.raises(MetricError, match=r"^layer 'features\.2' produced NaN/inf activations for 1 of 40 inputs; "
+                                          r"the first is input 21 \(batch 1\)"):
+        capture(NanInside(), (x, images[1]), ["features.2"], batch_size=16)
+
+
+def test_model_output_that_is_not_one_row_per_input_fails_the_capture(images: tuple) -> None:
+    class FeatureMap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    with pytest.raises(MetricError, match=r"on batch 0 the model returned shape \(16, 2, 6, 6\) for 16 inputs of "
+                                          r"shape \(1, 8, 8\); expected \(16, classes\)"):
+        capture(FeatureMap(), images, ["conv"], batch_size=16)
+
+
+def test_a_layer_called_twice_per_pass_is_refused(images: tuple) -> None:
+    class Shared(Conv8):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            relu = self.features[1]
+            return self.classifier[3](relu(self.classifier[1](relu(self.features[0](x)).amax(1).flatten(1))))
+
+    torch.manual_seed(0)
+    with pytest.raises(MetricError, match=r"^layer 'features\.1' was called 6 time\(s\) in 3 batch\(es\)"):
+        capture(Shared(), images, ["features.1"], batch_size=16)
+
+
+def test_a_failed_pass_fails_every_gate_that_shares_it_without_a_rerun(images: tuple) -> None:
+    torch.manual_seed(0)
+    model = NanLogits()
+    x = images[0].clone()
+    x[3, 0, 0, 0] = 9.0
+    data = (x, images[1])
+    cache = ActivationCache()
+    plan = ("classifier.2", "features.1")
+    with pytest.raises(MetricError, match="the first bad batch is batch 0") as first:
+        cache.get(model, data, ["features.1"], batch_size=16, device="cpu", plan=plan)
+    calls = model.calls
+    for layer in plan:  # the other gate on the same pass, and the same gate again
+        with pytest.raises(MetricError) as again:
+            cache.get(model, data, [layer], batch_size=16, device="cpu", plan=plan)
+        assert str(again.value) == str(first.value)
+    assert cache.forward_passes == 1 and model.calls == calls == 3
+
+
+def test_an_unknown_layer_of_one_gate_is_not_cached_for_the_others(conv: Conv8, images: tuple) -> None:
+    cache = ActivationCache()
+    with pytest.raises(ConfigError, match="unknown layer 'nope'"):
+        cache.get(conv, images, ["nope"], batch_size=16, device="cpu", plan=("features.1", "nope"))
+    assert cache.get(conv, images, ["features.1"], batch_size=16, device="cpu",
+                     plan=("features.1", "nope"))["features.1"].n_inputs == 40
+
+
+# ---------------------------------------------------------------------- models that cannot be hooked
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # TorchScript is deprecated upstream
+@pytest.mark.parametrize("make", [
+    lambda m, x: torch.jit.script(m),
+    lambda m, x: torch.jit.trace(m, x[:2]),
+], ids=["scripted", "traced"])
+def test_torchscript_model_is_refused_with_the_eager_fix(conv: Conv8, images: tuple, make) -> None:
+    scripted = make(conv.eval(), images[0])
+    for layer in ("features.1", "classifier"):
+        with pytest.raises(ConfigError) as info:
+            capture(scripted, images, [layer])
+        assert str(info.value).splitlines()[0].startswith(
+            f"layer {layer!r}: layer activations need forward hooks, which TorchScript modules do not support")
+        assert "Fix: give the eager torch.nn.Module (dnnsafety_model_factory + a state dict, or a `model` fixture" \
+            in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torchscript_model_loaded_from_a_file_is_refused(conv: Conv8, images: tuple, tmp_path) -> None:
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(conv.eval()), str(path))
+    loaded = torch.jit.load(str(path))
+    with pytest.raises(ConfigError, match="^layer 'features.1': layer activations need forward hooks, which "
+                                          "TorchScript modules do not support"):
+        ActivationCache().get(loaded, images, ["features.1"], batch_size=16, device="cpu")
+
+
+def test_exported_program_module_is_refused_not_reported_as_empty_data(conv: Conv8, images: tuple,
+                                                                       tmp_path) -> None:
+    """torch 2.13: export(...).module() keeps submodules only as weight holders; a hook on them never fires."""
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(conv.eval(), (images[0][:2],), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(tmp_path / "m.pt2"))
+    module = torch.export.load(str(tmp_path / "m.pt2")).module()
+    for layer in ("features.0", "classifier.1", "features.1"):  # a conv, a linear, a ReLU (gone from the module)
+        assert (layer in layer_names(module)) == (layer != "features.1")
+        with pytest.raises(ConfigError) as info:
+            capture(module, images, [layer])
+        assert str(info.value).splitlines()[0].startswith(
+            f"layer {layer!r}: layer activations need forward hooks, and a torch.export program's module never "
+            "calls that layer as a module")
+        assert "Fix: give the eager torch.nn.Module" in str(info.value)
+
+
+def test_fx_traced_module_keeps_working(conv: Conv8, images: tuple) -> None:
+    traced = torch.fx.symbolic_trace(conv.eval())
+    eager = capture(conv, images, ["features.1"])["features.1"]
+    fx = capture(traced, images, ["features.1"])["features.1"]
+    torch.testing.assert_close(eager.max, fx.max)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_in_the_batch_loop_on_cuda(images: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sync debug mode is on exactly while capture works on a batch (moving it, the guarded forward, the hooks)."""
+    from pytest_dnnsafety import activations
+
+    torch.manual_seed(0)
+    model = NanLogits().cuda()
+    original = activations.iter_batches
+    seen = []
+
+    def strict(data, batch_size):
+        for batch in original(data, batch_size):  # slicing (and loading's own checks) may sync: not the loop
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield batch
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            seen.append(batch[0].shape[0])
+
+    monkeypatch.setattr(activations, "iter_batches", strict)
+    try:
+        acts = capture(model, images, ["features.1", "classifier.2"], batch_size=8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert seen == [8] * 5 and acts["features.1"].max.is_cuda and acts["classifier.2"].n_inputs == 40

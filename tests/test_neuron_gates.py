@@ -188,3 +188,190 @@ def test_example_project_gates_pass(tmp_path: Path, extra: tuple) -> None:
     markers = {g["marker"] for g in evidence["gates"]}
     assert {"min_scene_coverage", "min_neuron_k_activation", "max_neuron_pattern_deviation"} <= markers
     assert all(g["status"] == "passed" for g in evidence["gates"])
+
+
+# ---------------------------------------------------------------------- the model is checked too (issue #7)
+# The common case: a small conv net on (N, 1, 8, 8) images. MODE picks what is wrong with it.
+NETDEF = """
+import torch
+from torch import nn
+
+
+class Conv8(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mode = "ok"
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 6), nn.ReLU(), nn.Linear(6, 3))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.classifier(self.features(x))
+        if self.mode == "nan":  # NaN logits for inputs whose first pixel is above 5; activations stay finite
+            out = torch.where(x[:, :1, 0, 0] > 5, torch.full_like(out, float("nan")), out)
+        return out
+
+
+def build():
+    torch.manual_seed(0)
+    return Conv8()
+"""
+
+CONV_CONFTEST = """
+import pytest
+import torch
+
+from netdef import Conv8, build
+
+MODE = "{mode}"
+
+if MODE != "file":
+    @pytest.fixture(scope="session")
+    def model():
+        net = build()
+        net.mode = MODE
+        return net.double() if MODE == "float64" else net
+
+
+@pytest.fixture(scope="session")
+def dataset():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(48, 1, 8, 8, generator=gen)
+    if MODE == "nan":
+        x[37, 0, 0, 0] = 9.0  # batch 2 of 16
+    if MODE == "flat":
+        x = x.flatten(1)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (48,), generator=gen))
+"""
+
+CONV_GATES = """
+import pytest
+
+@pytest.mark.min_neuron_k_activation(0.0, layer="classifier.2", k=2)
+def test_pairs():
+    pass
+
+@pytest.mark.max_neuron_pattern_deviation(1.0, layer="features.1", groups=3)
+def test_conv_patterns():
+    pass
+
+@pytest.mark.max_neuron_pattern_deviation(1.0, layer="classifier.2", groups=3, where={"weather": "rainy"})
+def test_patterns_when_rainy():
+    pass
+
+def test_zz_calls(model, request):
+    print("MODEL CALLS", getattr(model, "calls", None))
+"""
+
+
+def _conv_project(project: GateProject, mode: str) -> GateProject:
+    project.write("netdef.py", NETDEF)
+    project.write("conftest.py", CONV_CONFTEST.format(mode=mode))
+    project.write("data/scenarios.csv", SCENARIOS)
+    project.ini["dnnsafety_batch_size"] = "16"
+    project.tests(CONV_GATES)
+    return project
+
+
+def _gate_errors(project: GateProject, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:
+    result = project.run("-s", "--dnnsafety-json=e.json", *args)
+    evidence = json.loads((project.pytester.path / "e.json").read_text())
+    gates = {g["nodeid"].split("::")[1]: g for g in evidence["gates"]}
+    assert set(gates) == {"test_pairs", "test_conv_patterns", "test_patterns_when_rainy"}
+    assert not any(g["status"] == "passed" or g["passed"] for g in gates.values())
+    assert result.parseoutcomes().get("failed") == 3 and result.parseoutcomes().get("passed") == 1
+    return result, gates
+
+
+def test_nan_logits_fail_every_neuron_gate_naming_the_first_bad_batch(gate_project: GateProject) -> None:
+    result, gates = _gate_errors(_conv_project(gate_project, "nan"))
+    for gate in gates.values():
+        assert gate["status"] == "error"
+        assert gate["details"]["error"].splitlines()[0].startswith(
+            "layer activations (forward pass of the neuron gates): the model's outputs hold NaN/inf in 1 of 48 "
+            "inputs; the first bad batch is batch 2.")
+    result.stdout.fnmatch_lines(["*MODEL CALLS 3*"])  # one pass; its error reached all three gates
+
+
+def test_float64_model_with_float32_images_fails_the_neuron_gates_naming_both_dtypes(
+        gate_project: GateProject) -> None:
+    result, gates = _gate_errors(_conv_project(gate_project, "float64"))
+    for gate in gates.values():
+        first = gate["details"]["error"].splitlines()[0]
+        assert first.startswith("layer activations (forward pass of the neuron gates): the model raised "
+                                "RuntimeError on batch 0 (inputs of shape (16, 1, 8, 8), float32, on cpu; "
+                                "model: Conv8 with float64 weights on cpu)")
+        assert "Fix: the inputs are float32 but the model's weights are float64" in first
+    result.stdout.fnmatch_lines(["*MODEL CALLS 1*"])  # failed on the first batch, not retried per gate
+
+
+def test_flattened_inputs_to_a_conv_model_fail_the_neuron_gates_naming_the_shape(gate_project: GateProject) -> None:
+    _, gates = _gate_errors(_conv_project(gate_project, "flat"))
+    for gate in gates.values():
+        first = gate["details"]["error"].splitlines()[0]
+        assert "the model raised RuntimeError on batch 0 (inputs of shape (16, 64), float32" in first
+        assert "Fix: give inputs in the shape the model expects" in first
+
+
+@pytest.fixture(scope="session")
+def conv_model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The conv net saved as TorchScript, torch.export program and state dict, each loaded once.
+
+    Session scope: torch.export imports torch modules that an in-process pytester run must not import
+    (and unload) itself.
+    """
+    import importlib.util
+    import warnings
+
+    import torch
+
+    folder = tmp_path_factory.mktemp("conv_models")
+    (folder / "netdef.py").write_text(NETDEF)
+    spec = importlib.util.spec_from_file_location("_netdef_for_saving", folder / "netdef.py")
+    netdef = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(netdef)  # type: ignore[union-attr]
+    net = netdef.build().eval()
+    x = torch.rand(2, 1, 8, 8)
+    files = {"torchscript": folder / "m.pt", "export": folder / "m.pt2", "state_dict": folder / "m.pth"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(net), str(files["torchscript"]))
+        torch.jit.load(str(files["torchscript"]))(x)
+    program = torch.export.export(net, (x,), dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+    torch.export.save(program, str(files["export"]))
+    torch.export.load(str(files["export"])).module()(x)
+    torch.save(net.state_dict(), str(files["state_dict"]))
+    return files
+
+
+def _use_model_file(project: GateProject, files: dict[str, Path], how: str) -> str:
+    name = files[how].name
+    (project.pytester.path / "models").mkdir(exist_ok=True)
+    shutil.copy(files[how], project.pytester.path / "models" / name)
+    project.ini["dnnsafety_model"] = f"models/{name}"
+    return name
+
+
+@pytest.mark.parametrize(("how", "name", "first"), [
+    ("torchscript", "m.pt", "layer 'classifier.2': layer activations need forward hooks, which TorchScript modules "
+                            "do not support"),
+    ("export", "m.pt2", "layer 'classifier.2': layer activations need forward hooks, and a torch.export program's "
+                        "module never calls that layer as a module"),
+], ids=["torchscript", "torch_export"])
+def test_model_file_without_hookable_layers_fails_the_neuron_gates_with_the_eager_fix(
+        conv_model_files: dict, gate_project: GateProject, how: str, name: str, first: str) -> None:
+    project = _conv_project(gate_project, "file")
+    assert _use_model_file(project, conv_model_files, how) == name
+    _, gates = _gate_errors(project)
+    error = gates["test_pairs"]["details"]["error"]
+    assert error.splitlines()[0].startswith(first)
+    assert "Fix: give the eager torch.nn.Module (dnnsafety_model_factory + a state dict, or a `model` fixture" in error
+    assert gates["test_conv_patterns"]["details"]["error"].startswith("layer 'features.1': layer activations need")
+
+
+def test_state_dict_with_factory_is_the_fix_and_passes(conv_model_files: dict, gate_project: GateProject) -> None:
+    project = _conv_project(gate_project, "file")
+    _use_model_file(project, conv_model_files, "state_dict")
+    project.ini["dnnsafety_model_factory"] = "netdef:build"
+    project.run().assert_outcomes(passed=4)

@@ -156,7 +156,7 @@ def test_coverage_equals_brute_force_reference(problem: dict) -> None:
         with pytest.raises(MetricError, match="infeasible"):
             table.coverage(k=problem["k"], min_count=problem["min_count"], propose=0)
         return
-    result = table.coverage(k=problem["k"], min_count=problem["min_count"], propose=0)
+    result = table.coverage(k=problem["k"], min_count=problem["min_count"], propose=0, allow_infeasible_rows=True)
     assert result.feasibility_exact
     assert (result.covered, result.total) == (expected["covered"], expected["total"])
     assert result.value == expected["covered"] / expected["total"]
@@ -164,7 +164,12 @@ def test_coverage_equals_brute_force_reference(problem: dict) -> None:
     assert result.infeasible_cells == expected["infeasible"]
     assert result.infeasible == len(expected["infeasible"])
     assert sum(s.total for s in result.per_subset) == result.total
-    assert result.infeasible_rows == sum(violates(r, problem["restrictions"]) for r in problem["rows"])
+    impossible = [i for i, r in enumerate(problem["rows"]) if violates(r, problem["restrictions"])]
+    assert result.infeasible_rows == len(impossible)
+    assert [e["row"] for e in result.infeasible_row_examples] == impossible[:5]
+    if impossible:  # by default a row the restrictions call impossible is refused, never counted
+        with pytest.raises(DataError, match=rf"^{len(impossible)} scenario row\(s\) break a declared restriction"):
+            table.coverage(k=problem["k"], min_count=problem["min_count"], propose=0)
 
 
 def test_larger_random_tables_equal_reference_for_k_1_to_3() -> None:
@@ -186,7 +191,7 @@ def test_larger_random_tables_equal_reference_for_k_1_to_3() -> None:
         for k in (1, 2, 3):
             min_count = 1 + trial % 3
             expected = brute_force(domains, restrictions, rows, k, min_count)
-            result = table.coverage(k=k, min_count=min_count, propose=0)
+            result = table.coverage(k=k, min_count=min_count, propose=0, allow_infeasible_rows=True)
             assert (result.covered, result.total) == (expected["covered"], expected["total"])
             assert result.uncovered == expected["uncovered"]
             assert result.infeasible_cells == expected["infeasible"]
@@ -333,10 +338,12 @@ def test_bad_k_and_propose_are_config_errors() -> None:
 # ---------------------------------------------------------------------- results
 def test_to_details_is_json_able_and_complete() -> None:
     table = ScenarioTable(Conditions(LIGHT, LIGHT_RESTRICTIONS), [{"lighting": "bright", "noise": "high", "lens": "clean"}])
-    result = table.coverage(k=2, propose=3)
+    result = table.coverage(k=2, propose=3, allow_infeasible_rows=True)
     details = result.to_details()
     assert json.loads(json.dumps(details, allow_nan=False)) == details
     assert details["infeasible_rows"] == 1 and details["n_infeasible_cells"] == 2
+    assert details["infeasible_row_examples"] == [
+        {"row": 0, "line": None, "restriction": 1, "values": {"lighting": "bright", "noise": "high"}}]
     assert details["uncovered"] == result.uncovered
     assert [p["closes"] for p in details["proposals"]] == result.proposal_closes
     assert len(result.to_details(max_cells=2)["uncovered"]) == 2
@@ -413,12 +420,13 @@ def test_proposals_are_feasible_and_close_what_they_claim(problem: dict, propose
     table = table_of(problem)
     k, min_count = problem["k"], problem["min_count"]
     assume(brute_force(problem["domains"], problem["restrictions"], [], k, 1)["total"] > 0)
-    result = table.coverage(k=k, min_count=min_count, propose=propose, seed=seed)
+    result = table.coverage(k=k, min_count=min_count, propose=propose, seed=seed, allow_infeasible_rows=True)
     assert len(result.proposals) == len(result.proposal_closes) <= propose
     covered = result.covered
     for i, proposal in enumerate(result.proposals):
         assert table.conditions.is_feasible(proposal)
-        after = table.with_rows(result.proposals[: i + 1]).coverage(k=k, min_count=min_count, propose=0)
+        after = table.with_rows(result.proposals[: i + 1]).coverage(k=k, min_count=min_count, propose=0,
+                                                                     allow_infeasible_rows=True)
         assert after.covered - covered == result.proposal_closes[i] >= 0
         covered = after.covered
     if min_count == 1 and result.uncovered:
@@ -620,3 +628,114 @@ def test_csv_duplicate_column_names_both_positions(tmp_path: Path) -> None:
 def test_csv_missing_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"scenario file '.*absent\.csv' does not exist"):
         ScenarioTable.from_csv(tmp_path / "absent.csv", Conditions(FIG2))
+
+
+# ---------------------------------------------------------------------- rows that break a restriction
+SEASONS = {"weather": ["sunny", "rainy", "snow"], "season": ["winter", "summer"], "road": ["stone", "mud"]}
+NO_SNOW_IN_SUMMER = """\
+[conditions]
+weather = ["sunny", "rainy", "snow"]
+season = ["winter", "summer"]
+road = ["stone", "mud"]
+
+[[restrictions]]
+weather = "rainy"
+road = "mud"
+
+[[restrictions]]
+weather = "snow"
+season = "summer"
+"""
+
+
+def test_rows_breaking_a_restriction_are_refused_listing_row_line_values_and_total(tmp_path: Path) -> None:
+    conditions = Conditions.from_toml(write(tmp_path, "c.toml", NO_SNOW_IN_SUMMER))
+    good = ["sunny,winter,stone", "rainy,winter,stone", "snow,winter,mud"]
+    bad = ["snow,summer,stone", "rainy,summer,mud"] * 4  # 8 impossible rows
+    body = [good[0], "", good[1], *bad[:3], good[2], *bad[3:]]  # a blank line: CSV lines != row indices
+    path = write(tmp_path, "s.csv", "weather,season,road\n" + "\n".join(body) + "\n")
+    table = ScenarioTable.from_csv(path, conditions)
+    with pytest.raises(DataError) as info:
+        table.coverage(k=2)
+    message = str(info.value)
+    assert message.splitlines()[0].startswith("8 scenario row(s) break a declared restriction: "
+                                              "row 2 (CSV line 5): weather=snow × season=summer (restriction #2); "
+                                              "row 3 (CSV line 6): weather=rainy × road=mud (restriction #1); ")
+    assert "(first 5 of 8 shown)" in message and "Rows are 0-based sample indices" in message
+    assert "row 8 (CSV line 11)" not in message and message.count("(CSV line") == 5
+    assert "Fix: correct those rows in scenario file" in message
+    assert info.value.details["infeasible_rows"] == 8  # type: ignore[attr-defined]
+    examples = info.value.details["infeasible_row_examples"]  # type: ignore[attr-defined]
+    assert [(e["row"], e["line"]) for e in examples] == [(2, 5), (3, 6), (4, 7), (6, 9), (7, 10)]
+    assert examples[0]["values"] == {"weather": "snow", "season": "summer"}
+    counted = table.coverage(k=2, allow_infeasible_rows=True)  # opting in counts them and lists the first 5
+    assert counted.infeasible_rows == 8 and counted.to_details()["infeasible_row_examples"] == examples
+
+
+def test_rows_breaking_a_restriction_outside_where_do_not_stop_that_scope() -> None:
+    conditions = Conditions(SEASONS, [{"weather": "snow", "season": "summer"}])
+    rows = [{"weather": "snow", "season": "summer", "road": "stone"},
+            {"weather": "sunny", "season": "winter", "road": "mud"}]
+    table = ScenarioTable(conditions, rows)
+    assert table.coverage(k=2, where={"weather": "sunny"}).n_rows == 1
+    with pytest.raises(DataError, match=r"^1 scenario row\(s\) \(among the rows selected by where\) break .*row 0: "):
+        table.coverage(k=2, where={"season": "summer"})
+
+
+def test_strategy_still_works_on_a_table_with_an_impossible_row() -> None:
+    conditions = Conditions(SEASONS, [{"weather": "snow", "season": "summer"}])
+    table = ScenarioTable(conditions, [{"weather": "snow", "season": "summer", "road": "stone"}])
+    example = hypothesis.find(table.strategy(k=2), lambda scenario: True)
+    assert conditions.is_feasible(example)
+
+
+def test_row_count_check_names_both_counts_the_direction_and_the_fix() -> None:
+    from pytest_dnnsafety.scenarios import check_rows_match
+
+    table = ScenarioTable(Conditions(FIG2), FIG2_ROWS * 3)
+    check_rows_match(table, 6)
+    with pytest.raises(MetricError) as longer:
+        check_rows_match(table, 2, data_fixture="eval_data")
+    assert str(longer.value).startswith("the scenario table has 6 rows but the data has 2 samples (fixtures "
+                                        "'scenario_table' and 'eval_data'): 4 row(s) describe no sample; ")
+    with pytest.raises(MetricError, match=r"^the scenario table has 6 rows but the data has 9 samples .*: 3 sample"
+                                          r"\(s\) have no scenario row; .* Fix: give the scenario file"):
+        check_rows_match(table, 9)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x, y: torch.utils.data.TensorDataset(x, y),
+        lambda x, y: torch.utils.data.TensorDataset(x),
+        lambda x, y: x,
+        lambda x, y: x.numpy(),
+        lambda x, y: (x, y),
+        lambda x, y: {"x": x, "y": y},
+        lambda x, y: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4),
+    ],
+    ids=["tensordataset", "unlabelled_tensordataset", "tensor", "ndarray", "pair", "dict", "dataloader"],
+)
+def test_count_samples_reads_the_row_count_of_every_data_form(make) -> None:
+    from pytest_dnnsafety.scenarios import count_samples
+
+    x, y = torch.rand(11, 1, 8, 8), torch.randint(0, 3, (11,))
+    assert count_samples(make(x, y)) == 11
+
+
+def test_count_samples_does_not_iterate_a_sized_dataloader() -> None:
+    from pytest_dnnsafety.scenarios import count_samples
+
+    class Counting(torch.utils.data.Dataset):
+        reads = 0
+
+        def __len__(self) -> int:
+            return 13
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            Counting.reads += 1
+            return torch.zeros(1, 8, 8)
+
+    assert count_samples(torch.utils.data.DataLoader(Counting(), batch_size=4)) == 13 and Counting.reads == 0
+    assert count_samples(torch.utils.data.DataLoader(Counting(), batch_size=4, drop_last=True)) == 12
+    assert Counting.reads == 0
