@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 import time
+import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from .config import Settings, parse_setting
 from .errors import ConfigError, DnnSafetyError, MarkerError, MetricError
 from .results import GateResult, Measurement, format_number
 
-__all__ = ["Param", "GateDef", "GateSpec", "GATES", "parse_marker", "evaluate", "COMMON_SETTINGS"]
+__all__ = ["Param", "GateDef", "GateSpec", "GATES", "parse_marker", "evaluate", "COMMON_SETTINGS",
+           "register_gate", "resolve_optional"]
 
 class _Required:
     def __repr__(self) -> str:
@@ -72,6 +74,11 @@ class GateDef:
     doc: str
     #: role -> option: the role's fixture is requested only when that option is set (not None)
     conditional: Mapping[str, str] = field(default_factory=dict)
+    #: role -> setting name (e.g. ``{"data": "data"}``): an *optional* role. Its fixture is requested
+    #: only when the user named it by marker keyword, the setting is configured (not its default),
+    #: or a non-plugin fixture of that name is visible to the test (see :func:`resolve_optional`).
+    #: The measure function finds the role in its fixture mapping only when it was requested.
+    optional: Mapping[str, str] = field(default_factory=dict)
 
     def signature(self) -> str:
         parts = ["threshold"]
@@ -89,10 +96,47 @@ class GateSpec:
     options: Mapping[str, Any]
     fixtures: Mapping[str, str]  # role -> fixture name to request
     settings: Mapping[str, Any] = field(default_factory=dict)  # marker overrides of COMMON_SETTINGS
+    #: optional roles not (yet) requested: role -> default fixture name (see GateDef.optional)
+    optional: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def definition(self) -> GateDef:
         return GATES[self.marker]
+
+    def plan_entry(self) -> dict[str, Any]:
+        """What the controller must know about this gate before it runs (plain JSON)."""
+        gate = self.definition
+        return {"marker": self.marker, "metric": gate.metric, "op": gate.op, "threshold": self.threshold}
+
+
+def register_gate(gate: GateDef, *, replace: bool = False) -> GateDef:
+    """Add a gate marker (e.g. from a ``conftest.py`` at import time, before ``pytest_configure``).
+
+    A stop-gap until gate registration goes through a plugin hook. A marker that is already defined
+    is an error unless ``replace=True`` (for tests that register the same gate in several runs).
+    """
+    if gate.marker in GATES and GATES[gate.marker] is not gate and not replace:
+        raise ValueError(f"gate marker {gate.marker!r} is already registered; pass replace=True to redefine it")
+    GATES[gate.marker] = gate
+    return gate
+
+
+def resolve_optional(spec: GateSpec, settings: Settings, overridden: Callable[[str], bool]) -> GateSpec:
+    """The spec with each optional role requested when its setting is configured or its fixture overridden.
+
+    ``overridden(fixture_name)`` tells whether a non-plugin fixture of that name is visible to the test.
+    """
+    if not spec.optional:
+        return spec
+    fixtures = dict(spec.fixtures)
+    rest: dict[str, str] = {}
+    for role, fixture in spec.optional.items():
+        setting = spec.definition.optional[role]
+        if settings.get(setting).source != "default" or overridden(fixture):
+            fixtures[role] = fixture
+        else:
+            rest[role] = fixture
+    return replace(spec, fixtures=fixtures, optional=rest)
 
 
 @dataclass
@@ -187,7 +231,10 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
     for role, option in gate.conditional.items():
         if options.get(option) is None and role not in kwargs:
             fixtures.pop(role)
-    return GateSpec(name, float(threshold), options, fixtures, overrides)
+    # An optional role named by keyword is requested; otherwise the plugin decides per test
+    # (resolve_optional), once it knows the settings and the fixtures visible to the test.
+    optional = {role: fixtures.pop(role) for role in gate.optional if role not in kwargs and role in fixtures}
+    return GateSpec(name, float(threshold), options, fixtures, overrides, optional)
 
 
 def _raise(error: Exception) -> Any:
@@ -209,11 +256,19 @@ def context_for(spec: GateSpec, settings: Settings) -> GateContext:
 
 def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settings, nodeid: str,
              cache: dict[str, Any] | None = None) -> GateResult:
-    """Measure the gate's metric and compare it with the threshold; never raises for metric errors."""
+    """Measure the gate's metric and compare it with the threshold; never raises for metric errors.
+
+    Verdicts: ``passed``/``failed`` from the comparison; ``failed`` whatever the comparison when the
+    measurement reports a ``contradiction``; ``inconclusive`` when it reports a violated assumption;
+    ``error`` when the metric could not be computed — a :class:`DnnSafetyError` (a message naming the
+    cause and the fix) or any other exception (the model raised, a dtype mismatch, a bug), recorded
+    with ``details.error_type``, ``details.error`` and ``details.traceback`` (the last frames).
+    """
     gate = spec.definition
     start = time.perf_counter()
     result = GateResult(nodeid=nodeid, marker=spec.marker, metric=gate.metric, threshold=spec.threshold,
                         op=gate.op, status="error")
+    caught: list[warnings.WarningMessage] = []
     try:
         ctx = context_for(spec, settings)
         if cache is not None:
@@ -224,20 +279,21 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
             warnings.simplefilter("always")
             measurement = gate.measure(spec, fixture_values, ctx)
         compared = measurement.bound if measurement.bound is not None else measurement.value
-        if compared is None or not math.isfinite(float(compared)):
+        judged = measurement.inconclusive is None and measurement.contradiction is None
+        if judged and (compared is None or not math.isfinite(float(compared))):
             raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
     except DnnSafetyError as exc:
-        result.summary = f"{spec.marker}: cannot compute {gate.metric}: {exc}"
-        result.details = {"error": str(exc), "error_type": type(exc).__name__}
-        result.seconds = time.perf_counter() - start
-        return result
-    ok = compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold
+        return _error_result(result, spec, exc, f"cannot compute {gate.metric}", caught, start)
+    except Exception as exc:  # the model, the data or an engine raised: an error, never a pass
+        return _error_result(result, spec, exc, f"error while computing {gate.metric}", caught, start,
+                             with_traceback=True)
+    value, bound = _finite(measurement.value), _finite(measurement.bound)
+    compared = bound if measurement.bound is not None else value
+    ok = compared is not None and (compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold)
     shown_op = gate.op if ok else ("<" if gate.op == ">=" else ">")
     label = "" if measurement.bound is None else " (bound)"
-    result.value = float(measurement.value)
-    result.bound = None if measurement.bound is None else float(measurement.bound)
-    result.passed = bool(ok)
-    result.status = "passed" if ok else "failed"
+    result.value = value
+    result.bound = bound
     result.details = dict(measurement.details)
     notes = sorted({str(w.message) for w in caught})
     if notes:
@@ -245,10 +301,55 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     detail = f" ({measurement.detail})" if measurement.detail else ""
     if notes:
         detail += " [warning: " + "; ".join(notes) + "]"
-    result.summary = (f"{spec.marker}: {format_number(compared)}{label} {shown_op} "
-                      f"{format_number(spec.threshold)}{detail}")
+    comparison = (f"{format_number(compared)}{label} {shown_op} {format_number(spec.threshold)}"
+                  if compared is not None else f"{format_number(compared)}{label} vs {format_number(spec.threshold)}")
+    if measurement.contradiction is not None:
+        result.passed, result.status = False, "failed"
+        result.details["contradiction"] = str(measurement.contradiction)
+        result.summary = f"{spec.marker}: contradiction: {measurement.contradiction}; {comparison}{detail}"
+    elif measurement.inconclusive is not None:
+        result.passed, result.status = False, "inconclusive"
+        result.details["inconclusive"] = str(measurement.inconclusive)
+        result.summary = f"{spec.marker}: inconclusive: {measurement.inconclusive}; {comparison}{detail}"
+    else:
+        result.passed = bool(ok)
+        result.status = "passed" if ok else "failed"
+        result.summary = f"{spec.marker}: {comparison}{detail}"
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _finite(number: Any) -> float | None:
+    if number is None:
+        return None
+    number = float(number)
+    return number if math.isfinite(number) else None
+
+
+def _error_result(result: GateResult, spec: GateSpec, exc: Exception, what: str,
+                  caught: list[warnings.WarningMessage], start: float, with_traceback: bool = False) -> GateResult:
+    message = str(exc) or repr(exc)
+    result.status, result.passed = "error", None
+    # An error may carry JSON-able details of its own (e.g. the scenario rows that break a restriction).
+    extra = getattr(exc, "details", None)
+    result.details = {**(extra if isinstance(extra, dict) else {}), "error": message,
+                      "error_type": type(exc).__name__}
+    if with_traceback:
+        result.details["traceback"] = _traceback_tail(exc)
+        result.summary = f"{spec.marker}: {what}: {type(exc).__name__}: {message}"
+    else:
+        result.summary = f"{spec.marker}: {what}: {message}"
+    notes = sorted({str(w.message) for w in caught or ()})
+    if notes:
+        result.details["warnings"] = notes
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _traceback_tail(exc: BaseException, frames: int = 5) -> list[str]:
+    """The last frames of an exception's traceback as ``file:line in function: source`` lines."""
+    return [f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+            for frame in traceback.extract_tb(exc.__traceback__)[-frames:]]
 
 
 # ------------------------------------------------------------------------------------- the gates
@@ -264,6 +365,12 @@ def _measure_scene_coverage(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
             f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, not a ScenarioTable. "
             "Fix: return pytest_dnnsafety.ScenarioTable(Conditions(domains, restrictions), rows)"
         )
+    data = fx.get("data")  # present when the data is configured, overridden or named by keyword
+    if data is not None:
+        from .scenarios import check_rows_match, count_samples
+
+        check_rows_match(table, count_samples(data), table_fixture=spec.fixtures["scenarios"],
+                         data_fixture=spec.fixtures["data"])
     opts = spec.options
     res = table.coverage(k=opts["k"], min_count=opts["min_count"], where=opts["where"], seed=ctx.seed)
     return Measurement(value=res.value, detail=res.detail(), details=res.to_details())
@@ -307,10 +414,10 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
         if not isinstance(table, ScenarioTable):
             raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
                               "not a ScenarioTable; `where` needs the scenario table")
-        if len(table) != acts.shape[0]:
-            raise MetricError(
-                f"the scenario table has {len(table)} rows but the data has {acts.shape[0]} samples; row i of "
-                "the scenario table must describe sample i of the data. Fix: align the two files")
+        from .scenarios import check_rows_match
+
+        check_rows_match(table, int(acts.shape[0]), table_fixture=spec.fixtures["scenarios"],
+                         data_fixture=spec.fixtures["data"])
         mask = table.row_mask(opts["where"]).to(acts.device)
         acts = acts[mask]
         scope = ", ".join(f"{k}={v}" for k, v in opts["where"].items())
@@ -347,7 +454,32 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     given.pop("compare_methods", None)
     result = assess_reliability(fx["model"], fx["profile"], labelled, compare_methods=compare,
                                 seed=ctx.seed, device=ctx.device, **given)
-    return Measurement(value=result.E, bound=result.Ub, detail=result.detail(), details=result.to_details())
+    return _pmi_measurement(result)
+
+
+def _pmi_measurement(result: Any) -> Measurement:
+    """A :class:`ReliabilityResult` as a Measurement: contradictions fail, violated assumptions are inconclusive.
+
+    * ``contradiction`` — the labelled data refute the bound (the model's labelled error is above
+      ``Ub`` at the gate's confidence, or the model's vote, Assumption 5, is refuted where labels
+      are known): the gate fails whatever the comparison.
+    * ``inconclusive`` — an assumption of the method is violated (``ε``/radius ``≥ r̂``, labelled
+      points outside the box, cross-boundary cells), unless the marker says
+      ``accept_violated_assumptions=True``: then the bound is compared and the detail says so.
+    """
+    details = result.to_details()
+    detail = result.detail()
+    contradiction = "; ".join(result.contradictions) or None
+    inconclusive = None
+    if result.violations:
+        joined = "; ".join(result.violations)
+        if result.violations_accepted:
+            detail += f"; VIOLATED ASSUMPTIONS ACCEPTED (accept_violated_assumptions=True): {joined}"
+        else:
+            inconclusive = (f"violated assumption(s) of the reliability method: {joined}. The bound is not evidence "
+                            f"until they hold (or, knowingly, accept_violated_assumptions=True)")
+    return Measurement(value=result.E, bound=result.Ub, detail=detail, details=details,
+                       inconclusive=inconclusive, contradiction=contradiction)
 
 
 _PMI_METHODS = ("chernoff", "normal", "clopper-pearson", "jeffreys")
@@ -428,7 +560,8 @@ GATES: dict[str, GateDef] = {
                 Param("where", (dict, type(None)), None, _check_where,
                       "use a dict of condition -> value or list of values, e.g. where={'lighting': 'night'}"),
             ),
-            fixtures={"scenarios": "scenario_table"},
+            fixtures={"scenarios": "scenario_table", "data": "dataset"},
+            optional={"data": "data"},
             measure=_measure_scene_coverage,
             doc="fail unless the scenario table covers at least `threshold` of all feasible k-way "
                 "combinations of operating-condition values (Cheng et al. 2018, eq. 1)",
@@ -502,6 +635,15 @@ GATES: dict[str, GateDef] = {
                       lambda v: None if v is None or (len(v) == 2 and all(isinstance(c, (int, float)) for c in v)
                                                       and v[0] < v[1]) else f"{v!r} must be (low, high)",
                       "the valid input range, e.g. clip=(0, 1)"),
+                Param("empty_cell_label", (str,), "model", _one_of("model", "nearest"),
+                      "model (the model's majority vote, the paper's Assumption 5) or nearest (the label of the "
+                      "nearest labelled point)"),
+                Param("labelled_from_profile", (bool,), True, None,
+                      "True: the labelled data are a sample of the operational profile, so their error rate must "
+                      "not exceed the bound; False skips that check"),
+                Param("accept_violated_assumptions", (bool,), False, None,
+                      "True compares the bound even when an assumption (e.g. eps < r-hat) is violated; default: "
+                      "the gate is inconclusive"),
             ),
             fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
             measure=_measure_pmi_ub,

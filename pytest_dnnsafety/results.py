@@ -13,9 +13,17 @@ from typing import Any
 
 __all__ = ["Measurement", "GateResult", "STATUSES", "format_number"]
 
-#: passed / failed: the metric was computed and compared; error: it could not be computed;
-#: not-evaluated: the test body failed or was skipped, so the gate never ran.
-STATUSES = ("passed", "failed", "error", "not-evaluated")
+#: The verdicts of a gate; only ``passed`` passes.
+#:
+#: * passed / failed: the metric was computed and compared with the threshold (``failed`` also
+#:   when the engine found a contradiction in its own result, whatever the comparison);
+#: * error: the metric could not be computed (a bad input, a fixture that failed, an exception in
+#:   the model or the engine); ``details`` names the cause (``error_type``, ``error``);
+#: * not-evaluated: the gate never ran because the test body failed or was skipped, its setup
+#:   failed outside the gate's fixtures, or the run stopped before the test;
+#: * inconclusive: the metric was computed but an assumption of its method is violated; it fails;
+#: * lost: the gate's result never reached the controller (a pytest-xdist worker died); the run fails.
+STATUSES = ("passed", "failed", "error", "not-evaluated", "inconclusive", "lost")
 
 
 @dataclass(frozen=True)
@@ -24,12 +32,19 @@ class Measurement:
 
     ``bound`` is the quantity the gate compares when present (e.g. an upper confidence bound);
     ``detail`` is the short human text shown after the comparison; ``details`` is JSON-able.
+
+    ``inconclusive``: why the result cannot be trusted (an assumption of the method is violated);
+    the gate's status becomes ``inconclusive`` and the test fails, whatever the comparison.
+    ``contradiction``: why the result contradicts itself (e.g. a bound below the estimate); the
+    gate's status becomes ``failed`` whatever the comparison and the summary names the reason.
     """
 
     value: float
     detail: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     bound: float | None = None
+    inconclusive: str | None = None
+    contradiction: str | None = None
 
 
 def format_number(value: float | None) -> str:
@@ -59,6 +74,8 @@ class GateResult:
     details: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     device: str = ""
+    #: role -> what the gate read for it: fixture name, origin, object type and content digest
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def compared(self) -> float | None:
@@ -73,7 +90,8 @@ class GateResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GateResult":
-        return cls(**data)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
     def from_json(cls, text: str) -> "GateResult":

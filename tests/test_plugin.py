@@ -66,7 +66,8 @@ def test_gates_pass_fail_and_report_everywhere(gate_project: GateProject, subpro
         "*test_body_fails*min_scene_coverage*NOT RUN",
     ])
     evidence = json.loads((gate_project.pytester.path / "out/evidence.json").read_text())
-    assert evidence["summary"] == {"passed": 1, "failed": 2, "error": 0, "not-evaluated": 1, "total": 4, "lost": 0}
+    assert evidence["summary"] == {"passed": 1, "failed": 2, "error": 0, "not-evaluated": 1, "inconclusive": 0,
+                                   "lost": 0, "total": 4}
     assert evidence["environment"]["seed"] == 1234
     assert evidence["environment"]["workers"] == (2 if extra else 0)
     assert {g["nodeid"].split("::")[1] for g in evidence["gates"]} == {
@@ -222,7 +223,7 @@ def test_crashed_xdist_worker_fails_the_run(gate_project: GateProject) -> None:
     assert result.ret != pytest.ExitCode.OK
     evidence = json.loads((gate_project.pytester.path / "e.json").read_text())
     statuses = {g["nodeid"].split("::")[1]: g["status"] for g in evidence["gates"]}
-    assert statuses == {"test_crash": "not-evaluated", "test_fine": "passed"}
+    assert statuses == {"test_crash": "lost", "test_fine": "passed"}
 
 
 def test_plugin_import_does_not_import_torch(pytester: pytest.Pytester) -> None:

@@ -5,7 +5,7 @@ a metric. Nothing here imports torch.
 """
 
 from .environment import environment, file_digest
-from .evidence import build_evidence, write_evidence
+from .evidence import build_evidence, prepare_evidence_path, write_evidence
 from .junit import junit_name, patch_junit
 from .terminal import header_line, render_table
 
@@ -14,6 +14,7 @@ __all__ = [
     "file_digest",
     "build_evidence",
     "write_evidence",
+    "prepare_evidence_path",
     "junit_name",
     "patch_junit",
     "header_line",

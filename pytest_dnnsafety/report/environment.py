@@ -66,5 +66,7 @@ def environment(settings: Any, devices: Iterable[str], workers: int) -> dict[str
         "seed": settings.get("seed").value,
         "workers": workers,
         "inputs": inputs,
+        "inputs_note": ("the configured input settings and their files' sha256 at the end of the run; what each "
+                        "gate actually evaluated (fixture, origin, content digest at load) is in gates[].inputs"),
         "cwd": os.getcwd(),
     }

@@ -3,24 +3,41 @@
 Layout (``schema`` = ``pytest-dnnsafety/1``)::
 
     {"schema": ..., "created": ISO-8601, "environment": {...},
-     "summary": {"total", "passed", "failed", "error", "not-evaluated", "lost"},
+     "summary": {"passed", "failed", "error", "not-evaluated", "inconclusive", "lost", "total"},
+     "lost": [nodeid of each test whose gates were lost, ...],
      "gates": [{"nodeid", "marker", "metric", "value", "bound", "threshold", "op", "passed",
-                "status", "summary", "details", "seconds", "device"}, ...]}
+                "status", "summary", "details", "seconds", "device", "inputs"}, ...]}
+
+``summary`` counts gates by status (``lost`` too); ``lost`` lists the tests. ``threshold`` is always
+the marker's number (known at collection), also for gates that never ran. ``details.reason`` says
+why a gate is not-evaluated or lost; an error has ``details.error_type`` and ``details.error``
+(and ``details.traceback`` for an exception that is not the plugin's own). ``inputs`` maps each
+role the gate read (``model``, ``data``, ``scenarios``, ...) to what it actually evaluated: the
+fixture name, its origin (the plugin's fixture with the settings and the file's sha256 at load,
+or a user fixture's file and line), the object's type and a content ``digest`` taken when the
+fixture was set up. ``environment.inputs`` only lists the configured settings and their files.
 
 Non-finite floats are written as strings ("nan", "inf") so the file is strict JSON.
+
+Lifecycle: at session start the path is checked (not a folder, writable) and an evidence file
+left by an earlier run is removed, so a run that crashes leaves no file rather than an old one
+that looks current. At the end the file is written atomically (a temporary file in the same
+folder, then renamed); a failed write leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..results import STATUSES, GateResult
 
-__all__ = ["SCHEMA", "build_evidence", "write_evidence"]
+__all__ = ["SCHEMA", "build_evidence", "write_evidence", "prepare_evidence_path"]
 
 SCHEMA = "pytest-dnnsafety/1"
 
@@ -38,7 +55,6 @@ def _strict(value: Any) -> Any:
 def build_evidence(results: Sequence[GateResult], env: dict[str, Any], lost: Sequence[str] = ()) -> dict[str, Any]:
     summary = {status: sum(r.status == status for r in results) for status in STATUSES}
     summary["total"] = len(results)
-    summary["lost"] = len(lost)
     return _strict({
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -49,9 +65,35 @@ def build_evidence(results: Sequence[GateResult], env: dict[str, Any], lost: Seq
     })
 
 
-def write_evidence(path: Path, evidence: dict[str, Any]) -> Path:
+def prepare_evidence_path(path: Path) -> None:
+    """Check at start that ``path`` can receive the evidence, and remove a stale file there.
+
+    Raises :class:`IsADirectoryError` for a folder and :class:`OSError` when the folder cannot be
+    created or written (probed with a temporary file, removed again).
+    """
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(evidence, indent=2, sort_keys=False, allow_nan=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    handle, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+    os.close(handle)
+    os.unlink(probe)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_evidence(path: Path, evidence: dict[str, Any]) -> Path:
+    """Write the evidence atomically: a temporary file in the same folder, then an atomic rename."""
+    text = json.dumps(evidence, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return path

@@ -14,6 +14,8 @@ VERDICTS = {
     "failed": ("FAIL", {"red": True, "bold": True}),
     "error": ("ERROR", {"red": True, "bold": True}),
     "not-evaluated": ("NOT RUN", {"yellow": True}),
+    "inconclusive": ("INCONCLUSIVE", {"red": True, "bold": True}),
+    "lost": ("LOST", {"red": True, "bold": True}),
 }
 
 
