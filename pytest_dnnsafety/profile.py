@@ -96,6 +96,15 @@ def as_tensor_2d(data: Any, what: str, *, dtype: torch.dtype = torch.float64,
     return tensor
 
 
+def _trailing_shape(data: Any, width: int) -> tuple[int, ...]:
+    """The shape of one input of ``data`` (``(width,)`` for 1-D or 2-D data, or when unknown)."""
+    shape = tuple(data.shape) if isinstance(data, (Tensor, np.ndarray)) else tuple(np.shape(data))
+    trailing = tuple(int(v) for v in shape[1:])
+    if len(trailing) > 1 and math.prod(trailing) == width:
+        return trailing
+    return (width,)
+
+
 def _ndtr(x: Tensor) -> Tensor:
     """``Φ(x) = erfc(−x/√2)/2``, accurate far into the lower tail (``torch.special.ndtr`` is 0 below about −8.3)."""
     return 0.5 * torch.special.erfc(-x / _SQRT2)
@@ -147,12 +156,17 @@ class OperationalProfile:
             if encoder is None else self._raw_input(data)
         self._input_shape: tuple[int, ...] | None = None
         if encoder is None:
-            self._input_shape = (raw.shape[1],)
+            # the shape of one input as given (images stay images: (N, 1, 8, 8) → (1, 8, 8))
+            self._input_shape = _trailing_shape(data, raw.shape[1])
             points = raw
         else:
             self._input_shape = tuple(raw.shape[1:])
             points = self.encode(raw)
         self.points: Tensor = points
+        #: The raw operational inputs ``(N, …)`` (input space, as given). Without an encoder they
+        #: are :attr:`points` reshaped; with one they are kept beside the encodings, so ball cells
+        #: (``cells="balls"``) can be centred on them while grid cells use the latent KDE.
+        self.inputs: Tensor = raw if encoder is not None else raw.reshape(raw.shape[0], *self._input_shape)
         self.n, self.dim = int(points.shape[0]), int(points.shape[1])
         self._bandwidth_spec = bandwidth
         self.factor: float | None = None
@@ -289,8 +303,14 @@ class OperationalProfile:
         return z
 
     def decode(self, z: Tensor) -> Tensor:
-        """Profile-space points ``(M, d)`` → model inputs ``(M, *input_shape)`` (identity without a decoder)."""
+        """Profile-space points ``(M, d)`` → model inputs ``(M, *input_shape)``.
+
+        Without a decoder the points are reshaped to the inputs' shape (a no-op for ``(N, d)`` data).
+        """
         if self.decoder is None:
+            if self.encoder is None and self.input_shape != (z.shape[-1],) and \
+                    math.prod(self.input_shape) == z.shape[-1]:
+                return z.reshape(z.shape[0], *self.input_shape)
             return z
         with torch.no_grad():
             x = self.decoder(z)

@@ -100,6 +100,8 @@ __all__ = [
     "bonferroni_upper",
     "jeffreys_draws",
     "bootstrap_quantile",
+    "LabelledErrorCheck",
+    "labelled_error_check",
 ]
 
 #: Names accepted by ``method=`` (see the module docstring).
@@ -394,3 +396,55 @@ def bootstrap_quantile(values: Tensor | Sequence[float], level: float) -> float:
     if v.numel() == 0:
         raise DataError("bootstrap_quantile needs at least one value")
     return float(np.quantile(v.cpu().numpy(), level, method="higher"))
+
+
+# ---------------------------------------------------------------------- the bound against labelled data
+@dataclass(frozen=True)
+class LabelledErrorCheck:
+    """The model's error on ``n`` labelled points held against a claimed upper bound on the pmi.
+
+    ``lower`` is the exact one-sided Clopper–Pearson lower bound on the error probability at
+    ``confidence``; ``p_value`` is the exact binomial tail ``P(K ≥ errors)`` for ``K ~ Bin(n, bound)``
+    — the evidence against "pmi ≤ bound". ``contradicts`` ⇔ ``lower > bound`` ⇔ ``p_value < 1 −
+    confidence``: at that level, the labelled data and the bound cannot both be right.
+    """
+
+    errors: int
+    n: int
+    rate: float
+    lower: float
+    bound: float
+    confidence: float
+    p_value: float
+    contradicts: bool
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return {"errors": self.errors, "n": self.n, "rate": self.rate, "lower": self.lower, "bound": self.bound,
+                "confidence": self.confidence, "p_value": self.p_value, "contradicts": self.contradicts}
+
+
+def labelled_error_check(errors: int, n: int, bound: float, confidence: float = 0.975) -> LabelledErrorCheck:
+    """Do ``errors`` misclassifications in ``n`` labelled points contradict ``pmi ≤ bound``?
+
+    If the labelled points are independent draws from the operational profile, the number of
+    misclassified ones is ``Bin(n, pmi)``. The exact lower bound
+    ``L = Beta⁻¹(1 − confidence; errors, n − errors + 1)`` (:func:`clopper_pearson_lower`) holds
+    with probability ``≥ confidence``; ``L > bound`` therefore refutes the claimed bound at that
+    level. The test is the same as the exact binomial test of ``H₀: pmi ≤ bound`` with the one-sided
+    p-value ``P(Bin(n, bound) ≥ errors) = I_bound(errors, n − errors + 1)`` (regularised incomplete
+    beta), rejected when below ``1 − confidence``.
+    """
+    confidence = check_confidence(confidence)
+    if isinstance(errors, bool) or isinstance(n, bool) or int(errors) != errors or int(n) != n:
+        raise DataError(f"errors and n must be integers, got {errors!r} and {n!r}")
+    errors, n = int(errors), int(n)
+    if n < 1 or not 0 <= errors <= n:
+        raise DataError(f"need 0 ≤ errors ≤ n and n ≥ 1, got errors={errors}, n={n}")
+    bound = float(bound)
+    if math.isnan(bound):
+        raise DataError("bound is NaN")
+    lower = float(clopper_pearson_lower(errors, n, confidence)[0])
+    b = min(max(bound, 0.0), 1.0)
+    p_value = 1.0 if errors == 0 else float(special.betainc(errors, n - errors + 1, b))
+    return LabelledErrorCheck(errors=errors, n=n, rate=errors / n, lower=lower, bound=bound, confidence=confidence,
+                              p_value=p_value, contradicts=lower > bound)

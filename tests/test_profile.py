@@ -230,3 +230,14 @@ def test_exact_masses_need_diagonal_kernels() -> None:
     with pytest.raises(ConfigError, match="mass='centre'"):
         prof.box_mass([[0, 0]], [[1, 1]])
     assert float(prof.centre_mass([[0, 0]], [[0.1, 0.1]])[0]) > 0
+
+
+def test_images_keep_their_shape_and_latent_profiles_keep_their_raw_inputs() -> None:
+    images = torch.rand(30, 1, 2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    flat = OperationalProfile(images, bandwidth=0.1)
+    assert flat.dim == 6 and flat.input_shape == (1, 2, 3) and flat.inputs.shape == (30, 1, 2, 3)
+    assert flat.decode(torch.zeros(4, 6)).shape == (4, 1, 2, 3)  # grid samples reach the model as images
+    assert OperationalProfile(images.reshape(30, 6), bandwidth=0.1).decode(torch.zeros(4, 6)).shape == (4, 6)
+    pca = PCA(2).fit(images)
+    latent = OperationalProfile(images, encoder=pca.encode, decoder=pca.decode)
+    assert latent.inputs.shape == (30, 1, 2, 3) and torch.equal(latent.inputs, images)

@@ -476,3 +476,118 @@ def test_coverage_simulation_per_method(side: float, capsys: pytest.CaptureFixtu
         assert share["normal"] < 0.95  # the documented failure of eq. (7) with zero-failure cells
     else:
         assert share["normal"] >= 0.9
+
+
+# ====================================================================== the bound against the labelled data (issue #7)
+def _known_truth(n_lab: int = 3000, n_op: int = 400):
+    """Uniform OP on [0, 1]², truth x₁ > 0.5, a model saying x₁ > 0.55: true pmi = OP mass of the strip ≈ 0.05."""
+    gen = np.random.default_rng(0)
+    x_op = torch.from_numpy(gen.random((n_op, 2)))
+    x_lab = torch.from_numpy(gen.random((n_lab, 2)))
+    y_lab = (x_lab[:, 0] > 0.5).long()
+    model = lambda x: torch.stack([0.55 - x[:, 0], x[:, 0] - 0.55], dim=1)  # noqa: E731
+    profile = OperationalProfile(x_op)
+    strip = float(profile.box_mass([[0.5, 0.0]], [[0.55, 1.0]])) / float(profile.box_mass([[0.0, 0.0]], [[1.0, 1.0]]))
+    return model, profile, (x_lab, y_lab), strip
+
+
+def test_known_truth_vote_labels_are_contradicted_and_nearest_labels_bound_the_truth() -> None:
+    """Assumption 5 hides a consistently wrong strip: both labelled-data checks must say so; 'nearest' fixes it."""
+    model, profile, labelled, truth = _known_truth()
+    assert truth == pytest.approx(0.05, abs=0.01)
+    common = dict(eps=0.01, box=UNIT_BOX, samples_per_cell=20, bootstrap=5, seed=3)
+    vote = _quiet(assess_reliability, model, profile, labelled, **common)
+    assert vote.empty_cell_label == "model" and vote.Ub < truth / 3  # the paper's bound misses the strip
+    assert len(vote.contradictions) == 2, vote.contradictions
+    first, second = vote.contradictions
+    lc = vote.labelled_check
+    assert lc is not None and lc["applied"] and lc["contradicts"] and lc["lower"] > vote.Ub
+    assert f"misclassifies {lc['errors']:,} of 3,000 labelled points" in first and "Assumption 5" in first
+    assert "majority vote disagrees" in second and "empty_cell_label='nearest'" in second
+    assert vote.vote_check is not None and vote.vote_check["vote_disagrees"] > 0
+    assert "CONTRADICTION" in vote.summary() and "majority vote (Assumption 5)" in vote.summary()
+
+    near = _quiet(assess_reliability, model, profile, labelled, empty_cell_label="nearest", **common)
+    assert near.empty_cell_label == "nearest" and "nearest labelled point" in near.detail()
+    assert near.contradictions == ()
+    assert near.Ub >= truth and abs(near.E - truth) < 0.01, (near.E, near.Ub, truth)
+    details = near.to_details()
+    assert details["empty_cell_label"] == "nearest" and details["labelled_check"]["contradicts"] is False
+    json.dumps(details)
+
+
+def test_labelled_from_profile_false_skips_the_error_check_but_records_it() -> None:
+    model, profile, labelled, _ = _known_truth(n_lab=1000)
+    result = _quiet(assess_reliability, model, profile, labelled, eps=0.02, box=UNIT_BOX, samples_per_cell=10,
+                    bootstrap=0, labelled_from_profile=False)
+    lc = result.labelled_check
+    assert lc is not None and lc["applied"] is False and lc["contradicts"] and "labelled_from_profile" in lc["skipped"]
+    assert all("labelled points (error" not in c for c in result.contradictions)
+    assert any("majority vote disagrees" in c for c in result.contradictions)  # (b) does not need a profile sample
+    assert "not checked" in result.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("empty_cell_label", ["model", "nearest"])
+def test_known_truth_case_at_eps_auto(empty_cell_label: str) -> None:
+    """The issue's case as a user runs it: eps='auto' (below r̂: 456 × 456 cells, no violated assumption)."""
+    model, profile, labelled, truth = _known_truth()
+    result = assess_reliability(model, profile, labelled, box=UNIT_BOX, samples_per_cell=10, bootstrap=5,
+                                empty_cell_label=empty_cell_label)
+    assert result.violations == () and not result.eps_exceeds_r
+    if empty_cell_label == "model":
+        assert result.Ub < 0.01 and len(result.contradictions) == 2
+    else:
+        assert result.contradictions == () and result.Ub >= truth and abs(result.E - truth) < 0.01
+
+
+def test_nearest_labels_match_brute_force() -> None:
+    from pytest_dnnsafety.engines.reliability import nearest_labels
+
+    pts, lab = _uniform(500, 1, d=3), _uniform(70, 2, d=3)
+    y = torch.arange(70) % 4
+    brute = y[torch.cdist(pts, lab).argmin(1)]
+    assert torch.equal(nearest_labels(pts, lab, y, chunk_elems=700), brute)
+
+
+def test_violated_assumptions_are_listed() -> None:
+    x_lab = torch.tensor([[0.45, 0.5], [0.55, 0.5], [1.5, 0.5]], dtype=torch.float64)
+    y_lab = torch.tensor([0, 1, 1])
+    result = _quiet(assess_reliability, lambda x: _truth(x), _uniform(200, 4), (x_lab, y_lab), eps=0.25,
+                    box=UNIT_BOX, samples_per_cell=10, bootstrap=0, accept_violated_assumptions=True)
+    assert result.eps_exceeds_r and result.violations_accepted
+    text = " | ".join(result.violations)
+    assert "cell side ε = 0.25 ≥ r̂ = 0.05" in text and "Assumption 4" in text
+    assert "1 of 3 labelled points lie outside the box" in text
+    assert "accepted by the user" in result.summary()
+    clean = assess_reliability(lambda x: _truth(x), _uniform(200, 4), (x_lab[:2], y_lab[:2]), eps=0.04,
+                               box=UNIT_BOX, samples_per_cell=10, bootstrap=0)
+    assert clean.violations == () and clean.contradictions == ()
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "nan_rows_later", "labelled_only"])
+def test_non_finite_logits_are_an_error_naming_the_first_bad_batch(poison: str) -> None:
+    calls = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        out = torch.stack([0.5 - x[:, 0], x[:, 0] - 0.5], 1)
+        if poison == "nan":
+            out = torch.full_like(out, float("nan"))
+        elif poison == "inf":
+            out[:, 1] = float("inf")
+        elif poison == "nan_rows_later" and len(calls) > 3:
+            out[::7] = float("nan")
+        elif poison == "labelled_only" and x.shape[0] == 37:
+            out[5] = float("nan")
+        return out
+
+    x_lab = _uniform(37, 9)
+    with pytest.raises(MetricError, match=r"NaN/inf .* first bad batch is batch \d+") as info:
+        _quiet(assess_reliability, model, _uniform(100, 0), (x_lab, _truth(x_lab)), eps=0.1, box=UNIT_BOX,
+               samples_per_cell=500, bootstrap=0, batch_size=4096)
+    # the labelled points are queried first (their own guard), then the probe (batch 0) and the samples
+    where = "cell samples" if poison == "nan_rows_later" else "labelled points"
+    assert f"max_pmi_ub: model on the {where}" in str(info.value) if where == "labelled points" else where in str(info.value)
+    if poison == "nan_rows_later":
+        assert "in 6568 of 50002 inputs; the first bad batch is batch 2" in str(info.value)

@@ -270,9 +270,10 @@ def test_errors_name_the_fix() -> None:
         ReliabilityAssessor(x, cells="balls")  # radius 'auto' without labelled data
     with pytest.raises(ConfigError, match="norm"):
         ReliabilityAssessor(x, cells="balls", radius=0.1, norm="l1")
-    latent = OperationalProfile(_rand((20, 4), 9), encoder=PCA(2).fit(_rand((20, 4), 9)).encode)
-    with pytest.raises(ConfigError, match="raw operational inputs"):
-        ReliabilityAssessor(latent, cells="balls", radius=0.1)
+    with pytest.raises(ConfigError, match="empty_cell_label"):
+        ReliabilityAssessor(x, cells="balls", radius=0.1, empty_cell_label="vote")
+    with pytest.raises(ConfigError, match="labels empty cells from the labelled points"):
+        ReliabilityAssessor(x, cells="balls", radius=0.1, empty_cell_label="nearest")  # no labelled points
     with pytest.raises(ConfigError, match="radius"):
         ReliabilityAssessor(x, cells="balls", eps=0.1)
     with pytest.raises(ConfigError, match="max_balls"):
@@ -287,3 +288,51 @@ def test_errors_name_the_fix() -> None:
         ReliabilityAssessor(x, (torch.zeros(3, 5), torch.tensor([0, 1, 0])), cells="balls", radius=0.1)
     with pytest.raises(ConfigError, match="max_balls"):
         ReliabilityAssessor(x, cells="balls", radius=0.1, max_balls=0)
+
+
+class _TinyConv(torch.nn.Module):
+    """A conv net on (N, 1, 8, 8) images: fails loudly if samples arrive flattened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4 * 8 * 8, 3)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(x.shape[1:]))
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("given_as", ["tensor", "flat_profile", "latent_profile", "flat_centres"])
+def test_ball_samples_reach_a_conv_model_as_images(given_as: str) -> None:
+    images = _rand((40, 1, 8, 8), 5).to(torch.float32)
+    labels = torch.arange(40) % 3
+    if given_as == "tensor":
+        profile = images
+    elif given_as == "flat_profile":
+        profile = OperationalProfile(images, bandwidth=0.1)
+    elif given_as == "latent_profile":  # the example project's PCA profile: balls use its raw inputs
+        pca = PCA(2).fit(images)
+        profile = OperationalProfile(images, encoder=pca.encode, decoder=pca.decode)
+    else:  # flat operational data: the labelled inputs' shape is the model's
+        profile = images.reshape(40, 64)
+    model = _TinyConv().eval()
+    result = assess_reliability(model, profile, (images, labels), cells="balls", radius=0.02, clip=(0.0, 1.0),
+                                samples_per_cell=20, bootstrap=0, empty_cell_label="nearest")
+    assert set(model.shapes) == {(1, 8, 8)}
+    assert result.cells_normal == 40 and result.model_queries == 40 * 20 and result.labelled_queries == 40
+    assert result.labelled_check is not None and result.labelled_check["n"] == 40
+
+
+def test_nearest_labels_for_empty_balls_and_the_vote_check() -> None:
+    centres = torch.tensor([[0.05], [0.33], [0.62], [0.97]], dtype=torch.float64)
+    vote = assess_reliability(_shifted, centres, (_LAB_X, _LAB_Y), cells="balls", radius=0.01, clip=(0.0, 1.0),
+                              samples_per_cell=50, bootstrap=0)
+    near = assess_reliability(_shifted, centres, (_LAB_X, _LAB_Y), cells="balls", radius=0.01, clip=(0.0, 1.0),
+                              samples_per_cell=50, bootstrap=0, empty_cell_label="nearest")
+    assert vote.cells_empty == near.cells_empty == 4
+    assert near.cells is not None and near.cells.label.tolist() == [0, 0, 1, 1]  # nearest of _LAB_X
+    assert near.E == pytest.approx(0.0) and near.vote_check is None  # no labelled point inside any ball
+    assert "nearest labelled point" in near.summary() and near.to_details()["empty_cell_label"] == "nearest"

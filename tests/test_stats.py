@@ -193,3 +193,30 @@ def test_bootstrap_quantile_is_conservative() -> None:
     assert stats.bootstrap_quantile([1.0, 2.0, 3.0, 4.0], 0.9) == 4.0
     with pytest.raises(DataError):
         stats.bootstrap_quantile([], 0.9)
+
+
+@pytest.mark.parametrize(("errors", "n", "bound"), [(137, 3000, 0.00137), (33, 539, 0.048), (0, 50, 0.01),
+                                                    (5, 5, 0.9), (22, 270, 0.127), (1, 10**6, 1e-7)])
+@pytest.mark.parametrize("confidence", [0.9, 0.975])
+def test_labelled_error_check_matches_scipy(errors: int, n: int, bound: float, confidence: float) -> None:
+    from scipy import stats as sps
+
+    from pytest_dnnsafety.stats import labelled_error_check
+
+    check = labelled_error_check(errors, n, bound, confidence)
+    lower = 0.0 if errors == 0 else sps.beta.ppf(1 - confidence, errors, n - errors + 1)
+    p_value = sps.binomtest(errors, n, bound, alternative="greater").pvalue
+    assert check.lower == pytest.approx(lower, rel=1e-9, abs=1e-15)
+    assert check.p_value == pytest.approx(p_value, rel=1e-6, abs=1e-300)
+    assert check.contradicts == (lower > bound) == (p_value < 1 - confidence)
+    assert check.rate == errors / n and check.to_dict()["n"] == n
+
+
+def test_labelled_error_check_rejects_bad_counts() -> None:
+    from pytest_dnnsafety.stats import labelled_error_check
+
+    for errors, n in ((3, 2), (-1, 5), (1, 0), (1.5, 4)):
+        with pytest.raises(DataError):
+            labelled_error_check(errors, n, 0.1)
+    with pytest.raises(ConfigError):
+        labelled_error_check(1, 10, 0.1, confidence=1.0)

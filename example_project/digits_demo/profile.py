@@ -1,9 +1,15 @@
-"""The operational profile of the digit reader, in a 2-D PCA latent space.
+"""The operational profile of the digit reader: a 2-D PCA latent space, and its labelled inputs.
 
 Robustness cells of side epsilon cannot tile the 64-pixel input space, so (as Zhao et al. 2021
 suggest for high-dimensional inputs) the profile lives in a latent space: the first two
 principal components of the operational images. The decoder is the inverse PCA, clamped to the
-valid pixel range; the model is always queried on decoded images, in input space.
+valid pixel range; the model is always queried on decoded images, in input space. The profile
+keeps the raw operational images (``profile.inputs``): norm-ball cells (``cells="balls"``) are
+centred on them, in input space.
+
+:func:`operational_dataset` gives the same operational images *with their labels* — a labelled
+sample of the operational profile, which the pmi gate needs for honest cell labels and for
+checking its bound against the model's observed error.
 """
 
 from __future__ import annotations
@@ -28,3 +34,11 @@ def operational_profile() -> OperationalProfile:
         return pca.decode(z).clamp(0.0, 1.0).to(torch.float32)
 
     return OperationalProfile(x, encoder=pca.encode, decoder=decode)
+
+
+def operational_dataset() -> torch.utils.data.TensorDataset:
+    """The operational images ``(270, 1, 8, 8)`` with their digit labels (a labelled sample of the profile)."""
+    with np.load(DATA / "operation.npz") as data:
+        if "y" not in data.files:
+            raise ValueError("data/operation.npz holds no labels y; regenerate it with python -m digits_demo.train")
+        return torch.utils.data.TensorDataset(torch.from_numpy(data["x"]), torch.from_numpy(data["y"]).long())

@@ -11,7 +11,9 @@ Writes, relative to the project folder:
                             split, each image rendered under one feasible scenario
 - ``data/scenarios.csv``    one row per ``eval.npz`` sample (same order), one column per condition
 - ``data/conditions.toml``  each condition's full domain and the restriction
-- ``data/operation.npz``    ``x`` only: other digits under the operational mix of conditions
+- ``data/operation.npz``    ``x`` (other digits under the operational mix of conditions) and their
+                            labels ``y``: the profile ignores ``y``; the pmi gate uses it to label
+                            its cells honestly and to check its bound against the observed error
 
 The data is scikit-learn's bundled ``load_digits`` (1797 images, 8x8, 16 grey levels), split
 stratified into train (55%), evaluation (30%) and operation (15%).
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     x_train, y_train = torch.from_numpy(images[idx_train]), torch.from_numpy(labels[idx_train])
     x_test, y_test = torch.from_numpy(images[idx_eval]), torch.from_numpy(labels[idx_eval])
-    x_op = torch.from_numpy(images[idx_op])
+    x_op, y_op = torch.from_numpy(images[idx_op]), torch.from_numpy(labels[idx_op])
 
     model = build_model()
     train(model, x_train, y_train, seed=args.seed, epochs=args.epochs)
@@ -211,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _write_npz(out / "data" / "eval.npz", x=x_eval.numpy(), y=y_test.numpy())
     _write_scenarios_csv(out / "data" / "scenarios.csv", scen_eval)
     write_conditions_toml(out / "data" / "conditions.toml")
-    _write_npz(out / "data" / "operation.npz", x=x_operation.numpy())
+    _write_npz(out / "data" / "operation.npz", x=x_operation.numpy(), y=y_op.numpy())
     elapsed = time.perf_counter() - start
 
     clean_acc = (_predict(model, x_test) == y_test).float().mean().item()

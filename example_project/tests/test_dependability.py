@@ -81,16 +81,32 @@ def test_night_inputs_activate_the_usual_number_of_features(model, dataset):
     """
 
 
-@pytest.mark.max_pmi_ub(0.95, confidence=0.975, eps=0.5, samples_per_cell=200, bootstrap=20)
-def test_probability_of_misclassification_per_input(model, operational_profile, dataset):
-    """Upper bound (97.5%, sound Chernoff method) on the probability of misclassification per
-    input under the operational profile, estimated in the 2-D PCA plane of the operational
-    images (Zhao et al. 2021; cells of side 0.5, 200 decoded samples per cell).
+@pytest.fixture(scope="session")
+def operational_dataset():
+    """The operational images with their labels (``digits_demo.profile.operational_dataset``)."""
+    from digits_demo.profile import operational_dataset
 
-    Measured: E = 0.908, Ub = 0.934. The bound is honest but loose: the ten digit classes overlap
-    in a 2-D PCA plane (r-hat = 0.0017), so 41 of the 150 cells hold several classes and count as
-    always failing. The gate guards the figure against regressions; a tighter claim needs a
-    latent space that separates the classes (an autoencoder, say).
+    return operational_dataset()
+
+
+@pytest.mark.max_pmi_ub(0.15, cells="balls", norm="linf", radius=0.05, clip=(0, 1), samples_per_cell=200,
+                        bootstrap=100, data="operational_dataset")
+def test_probability_of_misclassification_per_input(model, operational_profile, operational_dataset):
+    """Upper bound (97.5%, sound Chernoff method) on the probability that the next operational
+    input is misclassified (pmi, Zhao et al. 2021) is at most 15%.
+
+    Cells are L-infinity balls of radius 0.05 (pixel range [0, 1]) around each of the 270 labelled
+    operational images (empirical operational profile, 1/270 each); 200 uniform samples per ball,
+    clipped to [0, 1]; a failure is any input in the ball that the model does not give the ball's
+    label. The radius is below r-hat = 0.064 (half the smallest L-infinity distance between two
+    operational images of different digits), so no ball can hold two digits, and every ball holds
+    its own labelled centre (270 normal balls, no empty ball: no label comes from the model's own
+    vote). Measured: E = 0.087, Ub = 0.124 (the model misclassifies 22 of the 270 operational
+    images, 8.1%; the bound is above that error's 97.5% lower limit, 0.052, so the labelled data do
+    not contradict it); 54,000 model queries, 8.7 s on 2 busy CPU cores.
+
+    A 5% requirement is not met by this model: it is wrong on about 8% of operational inputs
+    (22 of 270), and this gate says so if the threshold is lowered.
     """
 
 

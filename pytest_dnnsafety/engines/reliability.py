@@ -36,6 +36,13 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   of ``max_cells``; the unevaluated mass counts with ``λ = 1`` (``conservative_rest=True``) or,
   when the user asks otherwise, with the evaluated cells' average pmi (the paper's "empirical /
   average bound based on the first k cells"); the result says which.
+* **Checks against the labelled data** (beyond the paper): (a) the model's error on the
+  labelled points (by default a sample of the profile) must not have a Clopper–Pearson lower
+  bound above ``Ub``; (b) the model's vote (Assumption 5) is tested on the cells whose labels are
+  known. A failed check is a *contradiction* in the result; ``ε``/radius ``≥ r̂``, cross-boundary
+  cells and labelled points outside the box are *violated assumptions* (the gate is
+  inconclusive unless told to accept them). ``empty_cell_label="nearest"`` labels empty cells
+  from the nearest labelled point instead of the model's vote.
 * **Aggregation** (:mod:`pytest_dnnsafety.stats`): ``"normal"`` (eqs. 5–7, the paper's),
   ``"chernoff"`` (sound for any number of zero-failure cells; default), ``"clopper-pearson"``
   (sound, Bonferroni over cells) and ``"jeffreys"`` (Bayesian Monte Carlo).
@@ -77,12 +84,14 @@ from torch import Tensor
 from pytest_dnnsafety import stats
 from pytest_dnnsafety.engines.base import Engine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.outputs import ForwardGuard
 from pytest_dnnsafety.profile import OperationalProfile, as_tensor_2d
 
 __all__ = [
     "BLOCK",
     "CELL_TYPES",
     "EMPTY",
+    "EMPTY_CELL_LABELS",
     "CROSS",
     "NORMAL",
     "MAX_GRID_CELLS",
@@ -98,8 +107,14 @@ __all__ = [
     "ReliabilityWarning",
     "assess_reliability",
     "closest_opposite_pair",
+    "nearest_labels",
     "r_separation",
 ]
+
+#: How empty cells (no labelled point inside) get their label (``empty_cell_label=``): the model's
+#: majority vote on the cell's samples (the paper's Assumption 5) or the label of the nearest
+#: labelled point (Euclidean, in the profile's space).
+EMPTY_CELL_LABELS: tuple[str, ...] = ("model", "nearest")
 
 #: Cell type codes (index into :data:`CELL_TYPES`).
 NORMAL, EMPTY, CROSS = 0, 1, 2
@@ -304,6 +319,33 @@ def _ball_distances(centres: Tensor, points: Tensor, norm: str) -> Tensor:
     return torch.cdist(centres, points, p=math.inf)
 
 
+def nearest_labels(points: Tensor, lab_points: Tensor, lab_labels: Tensor, *,
+                   chunk_elems: int = _CHUNK_ELEMS) -> Tensor:
+    """Label of the nearest labelled point (Euclidean; ties → the first) for each of ``points`` ``(C, d)``.
+
+    ``empty_cell_label="nearest"``: an empty cell's (ball's) label is that of the labelled point
+    nearest to its centre, instead of the model's own vote (Assumption 5). Batched: one matrix
+    product ``‖b‖² − 2a·b`` per row chunk of at most ``chunk_elems`` distances, then ``argmin``;
+    no Python loop over points.
+    """
+    out = torch.empty(points.shape[0], dtype=torch.int64, device=lab_labels.device)
+    if points.shape[0] == 0:
+        return out
+    # argmin_j ‖a − b_j‖² = argmin_j (‖b_j‖² − 2 a·b_j): one addmm per chunk; float32 after centring
+    # on the labelled points' mean (only near-ties, equally justified labels, can flip)
+    centre = lab_points.to(points.device, torch.float64).mean(0, keepdim=True)
+    lab = (lab_points.to(points.device, torch.float64) - centre).to(torch.float32)
+    lab_t = lab.T.contiguous()
+    lab_sq = (lab * lab).sum(1)
+    labels = lab_labels.to(points.device)
+    chunk = max(1, chunk_elems // max(1, lab.shape[0]))
+    for start in range(0, points.shape[0], chunk):
+        block = (points[start : start + chunk].to(torch.float64) - centre).to(torch.float32)
+        nearest = torch.addmm(lab_sq, block, lab_t, alpha=-2.0).argmin(1)
+        out[start : start + chunk] = labels[nearest].to(out.device)
+    return out
+
+
 # ====================================================================== engine
 class CellTallyEngine(Engine):
     """Per-cell prediction histograms of the Monte Carlo samples (the λ_i evidence, eqs. 13–14).
@@ -450,6 +492,14 @@ class ReliabilityResult:
     cell_kind: str = "grid"
     norm: str | None = None
     clip: tuple[float, float] | None = None
+    empty_cell_label: str = "model"
+    labelled_from_profile: bool = True
+    labelled_queries: int = 0
+    violations: tuple[str, ...] = ()
+    violations_accepted: bool = False
+    contradictions: tuple[str, ...] = ()
+    labelled_check: Mapping[str, Any] | None = None
+    vote_check: Mapping[str, Any] | None = None
     cells: CellTable | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -469,6 +519,31 @@ class ReliabilityResult:
         return (f"balls {self.cells_evaluated}{of} ({NORMS.get(self.norm or '', self.norm)} radius "
                 f"{self.eps[0]:.6g}{clip})")
 
+    @property
+    def empty_label_words(self) -> str:
+        """How empty cells got their labels, in words."""
+        return ("the model's majority vote (Assumption 5)" if self.empty_cell_label == "model"
+                else "the nearest labelled point")
+
+    def checks_summary(self) -> list[str]:
+        """Lines on the labelled-data checks, violated assumptions and contradictions (for :meth:`summary`)."""
+        lines = [f"  empty {'balls' if self.balls else 'cells'} labelled by {self.empty_label_words}"]
+        lc = self.labelled_check
+        if lc is not None:
+            state = ("checked" if lc.get("applied") else
+                     "not checked (labelled_from_profile=False: not a sample of the profile)")
+            lines.append(f"  labelled points: {lc['errors']:,} of {lc['n']:,} misclassified (error ≥ {lc['lower']:.4g} "
+                         f"at {lc['confidence'] * 100:g}%), against Ub {lc['bound']:.4g}: {state}")
+        vc = self.vote_check
+        if vc is not None:
+            lines.append(f"  Assumption 5 where labels are known: the model's vote disagrees in {vc['vote_disagrees']:,} "
+                         f"of {vc['cells_with_labels']:,} labelled {'balls' if self.balls else 'cells'}")
+        for v in self.violations:
+            lines.append(f"  VIOLATED ASSUMPTION{' (accepted by the user)' if self.violations_accepted else ''}: {v}")
+        for c in self.contradictions:
+            lines.append(f"  CONTRADICTION: {c}")
+        return lines
+
     def detail(self) -> str:
         """One line: the bound, r̂ and ε, cells by type, OP mass evaluated, queries and time."""
         r = "n/a" if not math.isfinite(self.r_hat) else f"{self.r_hat:.6g}"
@@ -478,6 +553,7 @@ class ReliabilityResult:
             return (
                 f"pmi E={self.E:.4e} Ub{self.confidence * 100:g}%={self.Ub:.4e} [{self.method}]; "
                 f"r̂={r}{warn}; {self._ball_words()} {types}, empirical OP 1/{self.cells_evaluated} each; "
+                f"empty balls labelled by {self.empty_label_words}; "
                 f"{self.model_queries:,} model queries in {self.seconds:.1f} s"
             )
         eps = f"{self.eps[0]:.6g}" if len(set(self.eps)) == 1 else "(" + ", ".join(f"{e:.4g}" for e in self.eps) + ")"
@@ -488,6 +564,7 @@ class ReliabilityResult:
             f"{types}; "
             f"OP mass evaluated {self.mass_evaluated:.4f}"
             f"{' (rest λ=1)' if self.conservative_rest else ' (rest at average pmi)'}; "
+            f"empty cells labelled by {self.empty_label_words}; "
             f"{self.model_queries:,} model queries in {self.seconds:.1f} s"
         )
 
@@ -513,6 +590,7 @@ class ReliabilityResult:
                 + ("any misclassification" if self.failure_set is None else f"confusions {list(self.failure_set)}"),
                 f"  {self.model_queries:,} model queries in {self.seconds:.2f} s"
                 f" ({self.model_queries / max(self.seconds, 1e-9):,.0f} /s)",
+                *self.checks_summary(),
             ]
             return "\n".join(lines)
         lines += [
@@ -529,6 +607,7 @@ class ReliabilityResult:
             + ("any misclassification" if self.failure_set is None else f"confusions {list(self.failure_set)}"),
             f"  {self.model_queries:,} model queries in {self.seconds:.2f} s"
             f" ({self.model_queries / max(self.seconds, 1e-9):,.0f} /s)",
+            *self.checks_summary(),
         ]
         return "\n".join(lines)
 
@@ -567,31 +646,90 @@ class ReliabilityResult:
             "norm": self.norm,
             "radius": self.eps[0] if self.balls else None,
             "clip": None if self.clip is None else list(self.clip),
+            "empty_cell_label": self.empty_cell_label,
+            "labelled_from_profile": self.labelled_from_profile,
+            "labelled_queries": self.labelled_queries,
+            "labelled_check": None if self.labelled_check is None else dict(self.labelled_check),
+            "vote_check": None if self.vote_check is None else dict(self.vote_check),
+            "violations": list(self.violations),
+            "violations_accepted": self.violations_accepted,
+            "contradictions": list(self.contradictions),
         }
 
 
 # ====================================================================== model adapter
+class _CheckedModel(torch.nn.Module):
+    """The user's model with its output validated and made a tensor (for :class:`ForwardGuard`).
+
+    A module, so :class:`ForwardGuard` still sees the wrapped model's parameters (its error hints
+    name their dtype and device); named after the wrapped model's type by :func:`_checked`.
+    """
+
+    def __init__(self, model: Callable[[Tensor], Any], adapter: _ModelAdapter) -> None:
+        super().__init__()
+        if isinstance(model, torch.nn.Module):
+            self.inner = model
+        else:
+            self._callable = model
+        self._adapter = adapter
+
+    def forward(self, x: Tensor) -> Tensor:
+        model = self.inner if hasattr(self, "inner") else self._callable
+        return self._adapter.validate(model(x), x)
+
+
+def _checked(model: Callable[[Tensor], Any], adapter: _ModelAdapter) -> _CheckedModel:
+    kind = type(type(model).__name__, (_CheckedModel,), {"__doc__": _CheckedModel.__doc__})
+    return kind(model, adapter)
+
+
 class _ModelAdapter:
     """Calls a model (torch module or any callable) and turns its output into class indices ``(B,)``.
 
     Accepted outputs: logits or probabilities ``(B, K)`` with ``K ≥ 2`` (arg-max), or integer
-    labels ``(B,)``. Anything else is a :class:`MetricError` naming the shape.
+    labels ``(B,)``. Anything else is a :class:`MetricError` naming the shape. Every call goes
+    through a :class:`~pytest_dnnsafety.outputs.ForwardGuard`: an exception in the model becomes
+    a :class:`MetricError` naming the batch, and NaN/inf outputs are tracked on the device (no
+    host sync per batch); :meth:`check` raises after the loop, naming the first bad batch — a
+    model whose logits are NaN would otherwise "predict" class 0 everywhere.
     """
 
-    def __init__(self, model: Callable[[Tensor], Any], num_classes: int | None) -> None:
+    def __init__(self, model: Callable[[Tensor], Any], num_classes: int | None,
+                 what: str = "max_pmi_ub: model on cell samples") -> None:
         if not callable(model):
             raise ConfigError(f"model must be a torch module or a callable, got {type(model).__name__}")
         self.model = model
         self.num_classes = num_classes
         self.outputs_labels = False
+        self.guard = ForwardGuard(what, labels_ok=True)
+        self._checked = _checked(model, self)
 
     def __call__(self, x: Tensor) -> Tensor:
+        return self.to_labels(self.raw(x))
+
+    def raw(self, x: Tensor) -> Tensor:
+        """The model's validated output tensor for ``x`` (guarded: exceptions named, NaN/inf tracked)."""
         with torch.inference_mode():
-            out = self.model(x)
-        return self.convert(out, x)
+            return self.guard(self._checked, x)
+
+    def check(self) -> None:
+        """Raise a :class:`MetricError` if any output so far held NaN/inf (one host sync)."""
+        self.guard.check()
 
     def convert(self, out: Any, x: Tensor) -> Tensor:
         """The model's output ``out`` for inputs ``x`` as class indices ``(B,)`` (or a :class:`MetricError`)."""
+        return self.to_labels(self.validate(out, x))
+
+    @staticmethod
+    def to_labels(out: Tensor) -> Tensor:
+        if out.ndim == 1:
+            return out.to(torch.int64)
+        if out.shape[1] == 2:  # the same as argmax (ties → class 0), 5× faster on CPUs
+            return (out[:, 1] > out[:, 0]).to(torch.int64)
+        return out.argmax(1)
+
+    def validate(self, out: Any, x: Tensor) -> Tensor:
+        """``out`` as a tensor of logits/probabilities ``(B, K ≥ 2)`` or integer labels ``(B,)``, else a MetricError."""
         if not isinstance(out, Tensor):
             try:
                 out = torch.as_tensor(np.asarray(out), device=x.device)
@@ -606,12 +744,10 @@ class _ModelAdapter:
                 raise MetricError(
                     f"the model returned {out.shape[1]} class scores but num_classes={self.num_classes}"
                 )
-            if out.shape[1] == 2:  # the same as argmax (ties → class 0), 5× faster on CPUs
-                return (out[:, 1] > out[:, 0]).to(torch.int64)
-            return out.argmax(1)
+            return out
         if out.ndim == 1 and out.shape[0] == batch and not out.dtype.is_floating_point and not out.dtype.is_complex:
             self.outputs_labels = True
-            return out.to(torch.int64)
+            return out
         hint = ""
         if out.ndim == 2 and out.shape[0] == batch and out.shape[1] == 1:
             hint = " A single score per input is ambiguous: return two-class logits (B, 2) or integer labels."
@@ -652,6 +788,14 @@ def _labels_tensor(raw_y: Any, n: int, device: torch.device) -> Tensor:
     if y_lab.numel() and int(y_lab.min()) < 0:
         raise DataError("labels must be non-negative class indices")
     return y_lab.to(torch.int64)
+
+
+def _raw_tensor(x: Any) -> Tensor:
+    """Labelled inputs as a tensor in their own shape (the model's input shape), for querying the model."""
+    tensor = x.detach() if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
+    if tensor.ndim == 1:
+        tensor = tensor[:, None]
+    return tensor
 
 
 def _check_int(value: Any, name: str, minimum: int) -> int:
@@ -704,8 +848,25 @@ class ReliabilityAssessor:
         norm: str = "linf",
         max_balls: int | None = None,
         clip: tuple[float, float] | None = None,
+        empty_cell_label: str = "model",
+        labelled_from_profile: bool = True,
+        accept_violated_assumptions: bool = False,
     ) -> None:
         started = time.perf_counter()
+        if empty_cell_label not in EMPTY_CELL_LABELS:
+            raise ConfigError(f"empty_cell_label must be one of {list(EMPTY_CELL_LABELS)} (the model's majority vote, "
+                              f"the paper's Assumption 5; or the label of the nearest labelled point), got "
+                              f"{empty_cell_label!r}")
+        self.empty_cell_label = str(empty_cell_label)
+        for name, flag in (("labelled_from_profile", labelled_from_profile),
+                           ("accept_violated_assumptions", accept_violated_assumptions)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        self.labelled_from_profile = bool(labelled_from_profile)
+        self.accept_violated_assumptions = bool(accept_violated_assumptions)
+        self._x_lab_raw: Tensor | None = None
+        self._lab_pred = None
+        self.labelled_queries = 0
         self.confidence = stats.check_confidence(confidence)
         self.method = self._check_method(method, "method")
         self.compare_methods = tuple(dict.fromkeys(self._check_method(m, "compare_methods") for m in compare_methods
@@ -771,6 +932,7 @@ class ReliabilityAssessor:
         if labelled is not None:
             if not isinstance(labelled, (tuple, list)) or len(labelled) != 2:
                 raise DataError("labelled must be a pair (inputs, labels)")
+            self._x_lab_raw = _raw_tensor(labelled[0])
             z_lab = profile.encode(labelled[0])
             y_lab = _labels_tensor(labelled[1], z_lab.shape[0], profile.device)
             self.r_hat = r_separation(z_lab, y_lab)
@@ -845,15 +1007,20 @@ class ReliabilityAssessor:
                               "1/M. Fix: use max_balls to evaluate a seeded subsample of the operational inputs")
         # ---- centres: the raw operational inputs (input space)
         if isinstance(profile, OperationalProfile):
-            if profile.latent:
-                raise ConfigError(
-                    "cells='balls' centres the balls on the raw operational inputs, but this profile has an encoder "
-                    "and holds only their encodings. Fix: pass the raw operational inputs (N, *input_shape) as "
-                    "profile (no KDE is needed for balls)"
-                )
+            # a latent profile keeps its raw inputs (profile.inputs): the balls live in input space
             self.device = profile.device if device is None else torch.device(device)
-            centres_all = profile.points.to(self.device)
-            input_shape = tuple(profile.input_shape)
+            raw_inputs = getattr(profile, "inputs", None)
+            if raw_inputs is None:
+                if profile.latent:
+                    raise ConfigError(
+                        "cells='balls' centres the balls on the raw operational inputs, but this profile holds only "
+                        "their encodings. Fix: pass the raw operational inputs (N, *input_shape) as profile"
+                    )
+                raw_inputs = profile.points
+            centres_all = as_tensor_2d(raw_inputs, "operational inputs", device=self.device, flatten=True)
+            input_shape = tuple(raw_inputs.shape[1:]) if raw_inputs.ndim > 2 else tuple(profile.input_shape)
+            if math.prod(input_shape) != centres_all.shape[1]:
+                input_shape = (int(centres_all.shape[1]),)
         else:
             self.device = torch.device("cpu") if device is None else torch.device(device)
             shape = tuple(profile.shape) if isinstance(profile, (Tensor, np.ndarray)) else None
@@ -888,9 +1055,13 @@ class ReliabilityAssessor:
         if labelled is not None:
             if not isinstance(labelled, (tuple, list)) or len(labelled) != 2:
                 raise DataError("labelled must be a pair (inputs, labels)")
+            self._x_lab_raw = _raw_tensor(labelled[0])
             z_lab = as_tensor_2d(labelled[0], "labelled inputs", device=self.device, flatten=True)
             if z_lab.shape[1] != d:
                 raise DataError(f"labelled inputs have {z_lab.shape[1]} values each, the operational inputs {d}")
+            if self._x_lab_raw.ndim > 2 and len(input_shape) == 1:
+                # the model's input shape: the labelled inputs' when the operational data came flat
+                input_shape = tuple(self._x_lab_raw.shape[1:])
             y_lab = _labels_tensor(labelled[1], z_lab.shape[0], self.device)
             self.r_hat = r_separation(z_lab, y_lab, norm=self.norm)
         else:
@@ -955,6 +1126,8 @@ class ReliabilityAssessor:
                 distinct = present.sum(1)
                 types[start:stop] = torch.where(distinct > 1, CROSS, torch.where(distinct == 1, NORMAL, EMPTY))
                 labels[start:stop] = torch.where(distinct == 1, present.to(torch.int8).argmax(1), -1)
+        if self.empty_cell_label == "nearest":
+            labels = self._label_empty_by_nearest(types, labels, centres)
         self._types, self._labels = types, labels
         # ---- samples
         self._allocate(op, types)
@@ -969,6 +1142,22 @@ class ReliabilityAssessor:
         self._centres = centres
         self._sample_dim = d
         self._input_shape = input_shape
+
+    def _label_empty_by_nearest(self, types: Tensor, labels: Tensor, centres: Tensor,
+                                empty: Tensor | None = None) -> Tensor:
+        """``empty_cell_label="nearest"``: empty cells take the label of the labelled point nearest their centre.
+
+        ``centres`` are all cells' centres, or (with ``empty``, their indices) only the empty cells'.
+        """
+        if self._z_lab is None or self._y_lab is None or not self._y_lab.numel():
+            raise ConfigError("empty_cell_label='nearest' labels empty cells from the labelled points; none were "
+                              "given. Fix: pass labelled=(x, y) or use empty_cell_label='model'")
+        if empty is None:
+            empty = torch.nonzero(types == EMPTY).reshape(-1)
+            centres = centres[empty.to(centres.device)]
+        labels = labels.clone()
+        labels[empty.to(labels.device)] = nearest_labels(centres, self._z_lab, self._y_lab).to(labels.device)
+        return labels
 
     def _allocate(self, op: Tensor, types: Tensor) -> None:
         """Samples per sampled (non-cross) cell: ``samples_per_cell`` each, or the same budget spread ∝ ``Op_i``."""
@@ -1186,6 +1375,10 @@ class ReliabilityAssessor:
                 hit = cells_u[pos] == flat
                 types = torch.where(hit, torch.where(distinct[pos] > 1, CROSS, NORMAL), types)
                 labels = torch.where(hit & (distinct[pos] == 1), first_label[pos], labels)
+        if self.empty_cell_label == "nearest":
+            empty = torch.nonzero(types == EMPTY).reshape(-1)
+            centres = grid.centres(flat[empty]) if empty.numel() else torch.zeros(0, grid.dim, dtype=torch.float64)
+            labels = self._label_empty_by_nearest(types, labels, centres, empty)
         self._types, self._labels = types, labels
         # ---- sample allocation over the sampled (non-cross) cells
         self._allocate(op, types)
@@ -1288,9 +1481,8 @@ class ReliabilityAssessor:
         z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self._sample_dtype()).expand(2, -1)
         x = self._to_input(z.contiguous())
         x = x.to(self.input_dtype)
-        with torch.inference_mode():
-            raw = adapter.model(x)
-        preds = adapter.convert(raw, x)
+        raw = adapter.raw(x)
+        preds = adapter.to_labels(raw)
         if self.num_classes is not None:
             k = self.num_classes
         elif isinstance(raw, Tensor) and raw.ndim == 2:
@@ -1324,6 +1516,7 @@ class ReliabilityAssessor:
         adapter = _ModelAdapter(model, self.num_classes)
         self.queries = 0
         self._label_extremes: Tensor | None = None
+        self._predict_labelled(model)
         if self.n_sampled_cells == 0:
             return engine if engine is not None else self.new_engine(self.num_classes or 2)
         k = self._probe(adapter)
@@ -1350,10 +1543,36 @@ class ReliabilityAssessor:
             stop = min(last, block + per_batch)
             self.queries += self._run_blocks(adapter, engine, block, stop, dtype, corners)
             block = stop
+        adapter.check()  # NaN/inf logits: one host sync after the loop, naming the first bad batch
         if self._label_extremes is not None:
             lo, hi = self._label_extremes.tolist()
             _check_label_bounds(int(lo), int(hi), engine.num_classes)
         return engine
+
+    def _predict_labelled(self, model: Callable[[Tensor], Any]) -> None:
+        """The model's predictions on the labelled inputs (for the labelled-data checks of :meth:`finish`).
+
+        The inputs go to the model as given (input space, their own shape), in batches, guarded
+        like the Monte Carlo queries (NaN/inf outputs raise, naming the first bad batch).
+        """
+        self._lab_pred: Tensor | None = None
+        if self._x_lab_raw is None or self._y_lab is None or not self._y_lab.numel():
+            return
+        adapter = _ModelAdapter(model, self.num_classes, what="max_pmi_ub: model on the labelled points")
+        x_all = self._x_lab_raw
+        step = self.batch_size if isinstance(self.batch_size, int) else 4 * BLOCK
+        preds = []
+        for start in range(0, int(x_all.shape[0]), step):
+            x = x_all[start : start + step].to(self.device, self.input_dtype)
+            preds.append(adapter(x))
+        adapter.check()
+        pred = torch.cat(preds).to(torch.int64)
+        self.labelled_queries = int(pred.shape[0])
+        if adapter.outputs_labels and pred.numel():
+            lo, hi = int(pred.min()), int(pred.max())
+            k = self.num_classes if self.num_classes is not None else max(hi, int(self._y_lab.max())) + 1
+            _check_label_bounds(lo, hi, max(k, 2))
+        self._lab_pred = pred.cpu()
 
     def _initial_blocks(self) -> int:
         return 2 if self.device.type == "cpu" else 64
@@ -1418,11 +1637,14 @@ class ReliabilityAssessor:
             cell_labels = torch.where(cell_labels < 0, voted, cell_labels)
             labels[sampled] = cell_labels
             fails = (counts * fm[cell_labels].to(torch.int64)).sum(1)
+            vote_fails = (counts * fm[voted].to(torch.int64)).sum(1)
             failures_all[sampled] = fails
             trials_all[sampled] = trials
         else:
+            k = self.num_classes or 2
             fails = torch.zeros(0, dtype=torch.int64)
             trials = torch.zeros(0, dtype=torch.int64)
+            voted = vote_fails = torch.zeros(0, dtype=torch.int64)
 
         op = self._op.cpu()
         op_var = self._op_var.cpu()
@@ -1434,6 +1656,7 @@ class ReliabilityAssessor:
         bounds = {m: self._bound(m, op, op_var, reps, rest, rest_reps, cross, sampled, fails, trials)
                   for m in methods}
         main = bounds[self.method]
+        checks = self._labelled_checks(main, op, types, sampled, fails, vote_fails, voted, trials, k)
         lam_hat = torch.where(cross, torch.ones(count, dtype=torch.float64),
                               failures_all.to(torch.float64) / trials_all.clamp_min(1).to(torch.float64))
         if self.cell_kind == "balls":
@@ -1469,7 +1692,118 @@ class ReliabilityAssessor:
             labelled_outside_box=self.labelled_outside_box,
             alternatives={m: b for m, b in bounds.items() if m != self.method}, cells=table,
             cell_kind=self.cell_kind, norm=self.norm if balls else None, clip=self.clip,
+            empty_cell_label=self.empty_cell_label, labelled_from_profile=self.labelled_from_profile,
+            labelled_queries=self.labelled_queries, **checks,
         )
+
+    # ------------------------------------------------------------------ does the evidence hold together?
+    def _violations(self, n_cross: int) -> list[str]:
+        """The method's assumptions that the plan itself shows to be violated (each a sentence with numbers)."""
+        balls = self.cell_kind == "balls"
+        what = "ball" if balls else "cell"
+        found = []
+        if self.eps_exceeds_r:
+            size = (f"ball radius {self.radius:.4g} ({NORMS[self.norm]})" if balls
+                    else f"cell side ε = {max(self.grid.eps):.4g}")
+            cross = (f"; {n_cross:,} {what}s hold labelled points of different classes (counted with λ = 1)"
+                     if n_cross else "")
+            found.append(
+                f"{size} ≥ r̂ = {self.r_hat:.4g}: a {what} can hold inputs of two ground-truth classes, so "
+                f"robustness within it does not mean correctness (Assumption 4, Remark 2){cross}. Fix: "
+                f"{'radius' if balls else 'eps'}='auto' or a value below r̂"
+            )
+        elif n_cross:
+            found.append(f"{n_cross:,} {what}s hold labelled points of different classes (Assumption 4; counted "
+                         f"with λ = 1)")
+        if not balls and self.labelled_outside_box:
+            n_lab = int(self._y_lab.numel()) if self._y_lab is not None else 0
+            found.append(
+                f"{self.labelled_outside_box:,} of {n_lab:,} labelled points lie outside the box "
+                f"{list(self.grid.lower)}–{list(self.grid.upper)}: the assessed domain misses part of the data "
+                f"and no cell is checked against them. Fix: a box that covers the data (box=None takes their range)"
+            )
+        return found
+
+    def _labelled_checks(self, main: MethodBound, op: Tensor, types: Tensor, sampled: Tensor, fails: Tensor,
+                         vote_fails: Tensor, voted: Tensor, trials: Tensor, k: int) -> dict[str, Any]:
+        """Hold the bound against the labelled data and list violated assumptions (see :func:`assess_reliability`).
+
+        (a) The model's error on the labelled points — by default a sample of the operational
+        profile — has an exact lower confidence bound (:func:`stats.labelled_error_check`); above
+        ``Ub`` the two statements cannot both hold. (b) Assumption 5 tested where the ground truth is
+        known: on the evaluated cells holding labelled points, the model's majority vote against
+        their label; the OP-weighted amount by which the vote under-states the unastuteness there,
+        carried over to the empty cells labelled by the vote, must not lift the estimate above ``Ub``.
+        """
+        balls = self.cell_kind == "balls"
+        what = "balls" if balls else "cells"
+        contradictions: list[str] = []
+        n_cross = int((types == CROSS).sum())
+        violations = self._violations(n_cross)
+        empty = types == EMPTY
+        empty_mass = float(op[empty].sum())
+        n_empty = int(empty.sum())
+        ub = main.Ub
+        vote_words = (f"the labels of the {n_empty:,} empty {what} (OP mass {empty_mass:.3g}) came from the model's "
+                      f"own majority vote (Assumption 5), which counts a region the model gets consistently wrong "
+                      f"as correct")
+        # ---- (a) the model's error on the labelled points
+        labelled_check: dict[str, Any] | None = None
+        if self._lab_pred is not None and self._y_lab is not None:
+            y = self._y_lab.cpu()
+            pred = self._lab_pred
+            kk = max(k, int(y.max()) + 1, int(pred.max()) + 1 if pred.numel() else 0)
+            fm = self._failure_matrix(kk)
+            errors = int(fm[y, pred.clamp(0, kk - 1)].sum())
+            check = stats.labelled_error_check(errors, int(y.numel()), ub, self.confidence)
+            labelled_check = {**check.to_dict(), "applied": self.labelled_from_profile,
+                              "labelled_from_profile": self.labelled_from_profile}
+            if not self.labelled_from_profile:
+                labelled_check["skipped"] = ("labelled_from_profile=False: the labelled points are not a sample of "
+                                             "the operational profile, so their error rate does not bound the pmi")
+            elif check.contradicts:
+                cause = (vote_words if self.empty_cell_label == "model" and empty_mass > 0 else
+                         "the assessment's premises fail for this model and data (cell labels, the cell size against "
+                         "r̂, or the operational profile)")
+                fix = ("Fix: empty_cell_label='nearest' (label empty cells from the nearest labelled point)"
+                       if self.empty_cell_label == "model" and empty_mass > 0 else
+                       "Fix: check the model and the assessment's settings")
+                contradictions.append(
+                    f"the model misclassifies {errors:,} of {check.n:,} labelled points (error {check.rate:.3g}, "
+                    f"≥ {check.lower:.3g} at {self.confidence * 100:g}% by Clopper–Pearson) but the bound says "
+                    f"pmi ≤ {ub:.3g}: {cause}. The labelled points are taken as a sample of the operational profile "
+                    f"(if they are not, set labelled_from_profile=False). {fix}"
+                )
+        # ---- (b) Assumption 5 on the cells whose ground truth is known
+        vote_check: dict[str, Any] | None = None
+        normal_s = types[sampled] == NORMAL if sampled.numel() else torch.zeros(0, dtype=torch.bool)
+        if bool(normal_s.any()):
+            idx = sampled[normal_s]
+            truth = self._labels.cpu()[idx]
+            wrong = voted[normal_s] != truth
+            t = trials[normal_s].clamp_min(1).to(torch.float64)
+            gap = ((fails[normal_s] - vote_fails[normal_s]).to(torch.float64) / t).clamp_min(0.0)
+            w = op[idx]
+            normal_mass = float(w.sum())
+            g = float((w * gap).sum()) / normal_mass if normal_mass > 0 else 0.0
+            uses_vote = self.empty_cell_label == "model" and n_empty > 0
+            implied = main.E + g * empty_mass if uses_vote else main.E
+            vote_check = {
+                "cells_with_labels": int(normal_s.sum()), "vote_disagrees": int(wrong.sum()),
+                "mass_with_labels": normal_mass, "mass_vote_disagrees": float(w[wrong].sum()),
+                "mean_understatement": g, "empty_mass_labelled_by_vote": empty_mass if uses_vote else 0.0,
+                "implied_estimate": implied,
+            }
+            if uses_vote and int(wrong.sum()) and implied > ub:
+                contradictions.append(
+                    f"in {int(wrong.sum()):,} of {int(normal_s.sum()):,} evaluated {what} holding labelled points "
+                    f"the model's majority vote disagrees with their label (OP mass {float(w[wrong].sum()):.3g} of "
+                    f"{normal_mass:.3g}; the vote under-states their unastuteness by {g:.3g} on average). "
+                    f"{vote_words[0].upper()}{vote_words[1:]}; if they behave like the labelled ones the estimate "
+                    f"is about {implied:.3g}, above the bound {ub:.3g}. Fix: empty_cell_label='nearest'"
+                )
+        return {"violations": tuple(violations), "violations_accepted": self.accept_violated_assumptions,
+                "contradictions": tuple(contradictions), "labelled_check": labelled_check, "vote_check": vote_check}
 
     def _bound(self, method: str, op: Tensor, op_var: Tensor, reps: Tensor | None, rest: float,
                rest_reps: Tensor | None, cross: Tensor, sampled: Tensor, fails: Tensor, trials: Tensor
@@ -1619,6 +1953,31 @@ def assess_reliability(
         clip: ``(lo, hi)`` — the valid input range (e.g. ``(0, 1)`` for images); samples are kept
             in it as above and operational inputs outside it are a :class:`DataError`. Default
             ``None``: no clipping (the plugin cannot know the valid range).
+
+        empty_cell_label: how an empty cell (ball) — no labelled point inside — gets its label:
+            ``"model"`` (default, the paper's Assumption 5: the model's majority vote on the
+            cell's samples; a region the model gets consistently wrong then counts as correct) or
+            ``"nearest"`` (the label of the nearest labelled point to the cell's centre, Euclidean,
+            in the profile's space; :func:`nearest_labels`). Reported in ``detail``/``summary``.
+        labelled_from_profile: whether the labelled points are a sample of the operational profile
+            (default ``True``). Then the model's error on them, ``k`` of ``n``, has an exact
+            Clopper–Pearson lower bound at ``confidence``
+            (:func:`~pytest_dnnsafety.stats.labelled_error_check`); above ``Ub`` the labelled data
+            refute the bound and the result lists a *contradiction* (check (a)). ``False`` (e.g.
+            a curated test set with another class or condition mix) skips check (a) but records
+            its figures in ``labelled_check``. Check (b) always runs when empty cells take the
+            model's vote: on the evaluated cells holding labelled points (where the ground truth
+            is known), the OP-weighted amount ``g`` by which the vote under-states the
+            unastuteness; if ``E + g · (OP mass of the empty cells) > Ub`` the vote-labelled empty
+            cells cannot be trusted and a contradiction is listed.
+        accept_violated_assumptions: recorded in the result (``violations_accepted``); the gate
+            compares the bound despite the ``violations`` it lists (``ε``/radius ``≥ r̂``,
+            cross-boundary cells, labelled points outside the box) instead of reporting it as
+            inconclusive.
+
+    Every model query (Monte Carlo samples, the labelled points) goes through a
+    :class:`~pytest_dnnsafety.outputs.ForwardGuard`: NaN/inf outputs raise a :class:`MetricError`
+    naming the first bad batch after the loop (no host sync per batch).
 
     Raises:
         ConfigError: a bad setting (named, with the fix), e.g. ``eps`` larger than the box or a
