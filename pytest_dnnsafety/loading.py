@@ -586,6 +586,9 @@ def _load_data_setting(settings: Settings, name: str, what: str) -> tuple[torch.
     if resolved.is_factory:
         raw = _call_factory(resolved, settings, "(x, y), x, a dict with 'x', a TensorDataset or a DataLoader",
                             DataError)
+        if raw is None:
+            raise DataError(f"{label}: the factory returned None. Fix: return (x, y), x, a dict with 'x', a "
+                            "TensorDataset or a DataLoader (a missing `return`?).")
     else:
         raw = _read_array_file(_existing_file(settings, resolved), label)
     if isinstance(raw, Mapping) and "x" not in raw:

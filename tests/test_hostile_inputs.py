@@ -289,10 +289,34 @@ CASES = [
                  def forward(self, x):
                      return [1.0] * x.shape[0]
              return Listy()""")),
+    Case("model_class_count_changes_between_batches", ("kact",),
+         "*returned 4 class scores, expected 3*",
+         _both(_model_fixture("""
+             class Growing(netmod.Net):
+                 calls = 0
+
+                 def forward(self, x):
+                     out = super().forward(x)
+                     type(self).calls += 1
+                     return out if type(self).calls == 1 else torch.cat([out, out[:, :1]], dim=1)
+             grown = Growing()
+             grown.load_state_dict(net.state_dict())
+             return grown.eval()"""), _ini(batch_size="16"))),
+    Case("model_drops_a_row_of_its_batch", ("kact",),
+         "*the model returned shape (47, 3) for 48 inputs*",
+         _model_fixture("""
+             class Dropping(netmod.Net):
+                 def forward(self, x):
+                     return super().forward(x)[:-1]
+             dropping = Dropping()
+             dropping.load_state_dict(net.state_dict())
+             return dropping.eval()""")),
     # ------------------------------------------------------------------ the model file
-    Case("model_file_random_bytes", ("kact",), "*model.pt*not a valid*", _mangle("model.pt", "random")),
-    Case("model_file_empty", ("kact",), "*model.pt*", _mangle("model.pt", "empty")),
-    Case("model_file_truncated", ("kact",), "*model.pt*", _mangle("model.pt", "truncate")),
+    Case("model_file_random_bytes", ("kact",),
+         "*model.pt is not a valid model file: found 2048 bytes of unrecognised data*", _mangle("model.pt", "random")),
+    Case("model_file_empty", ("kact",), "*model.pt is not a valid model file: found an empty file (0 bytes)*", _mangle("model.pt", "empty")),
+    Case("model_file_truncated", ("kact",),
+         "*model.pt is not a valid model file: found a truncated or damaged zip archive*", _mangle("model.pt", "truncate")),
     Case("model_path_is_a_directory", ("kact",), "*model.pt*directory*", _mangle("model.pt", "directory")),
     Case("model_factory_raises", ("kact",), "*netmod:exploding*RuntimeError*out of memory*",
          _both(_write("netmod.py", NETMOD + "\n\ndef exploding():\n    raise RuntimeError('out of memory')\n"),
@@ -301,6 +325,13 @@ CASES = [
     Case("model_state_dict_of_another_architecture", ("kact",), "*state dict does not fit the module*",
          _both(_write("netmod.py", NETMOD + "\n\ndef other():\n    return nn.Linear(64, 3)\n"),
                _ini(model_factory="netmod:other"))),
+    Case("model_saved_as_a_full_pickle", ("kact",), "*refused to unpickle model.pt*",
+         lambda project: torch.save(nn.Linear(2, 3), project.pytester.path / "model.pt")),
+    Case("model_torchscript_archive_with_broken_code", ("kact",), "*model.pt is not a valid TorchScript archive*",
+         lambda project: _broken_torchscript(project.pytester.path / "model.pt")),
+    Case("model_pt2_exported_with_a_fixed_batch_size", ("pmi",),
+         "*the model raised AssertionError on batch 0 (inputs of shape (48, 1, 8, 8)*Guard failed: x.size()[[]0] == 7*",
+         lambda project: _fixed_batch_export(project), extra=["*export it with a dynamic batch dimension*"]),
     # ------------------------------------------------------------------ the data
     Case("data_with_nan", ("kact", "pmi"), "*x holds 1 NaN/inf value(s)*",
          _npz("data/eval.npz", x=lambda a: np.where(np.arange(a["x"].size).reshape(a["x"].shape) == 7, np.nan, a["x"]),
@@ -316,10 +347,28 @@ CASES = [
          _npz("data/eval.npz", x=lambda a: a["x"], y=lambda a: a["y"] + 0.5)),
     Case("data_without_key_x", ("kact",), "*expected keys 'x'*",
          _npz("data/eval.npz", images=lambda a: a["x"], y=lambda a: a["y"])),
-    Case("data_npz_random_bytes", ("kact",), "*eval.npz*not a valid*", _mangle("data/eval.npz", "random")),
-    Case("data_npz_truncated", ("kact",), "*eval.npz*", _mangle("data/eval.npz", "truncate")),
-    Case("data_npz_crc_corrupted", ("kact",), "*eval.npz*", _mangle("data/eval.npz", "crc")),
+    Case("data_npz_random_bytes", ("kact",),
+         "*eval.npz is not a valid NumPy .npz file: found 2048 bytes of unrecognised data*", _mangle("data/eval.npz", "random")),
+    Case("data_npz_truncated", ("kact",),
+         "*eval.npz is not a valid NumPy .npz file: found a truncated or damaged zip archive*", _mangle("data/eval.npz", "truncate")),
+    Case("data_npz_crc_corrupted", ("kact",),
+         "*eval.npz is not a valid NumPy .npz file: found a damaged zip archive (member 'x.npy': *Bad CRC-32*", _mangle("data/eval.npz", "crc")),
     Case("data_path_is_a_directory", ("kact",), "*eval.npz*directory*", _mangle("data/eval.npz", "directory")),
+    Case("data_npy_object_array", ("kact",),
+         "*eval.npy holds pickled objects, which are refused: an object array (dtype object)*",
+         _both(lambda project: np.save(project.pytester.path / "data/eval.npy",
+                                       np.array([{"x": 1}, None], dtype=object), allow_pickle=True),
+               _ini(data="data/eval.npy"))),
+    Case("data_pt_holding_a_python_object", ("kact",),
+         "*eval.pt holds Python objects, not only tensors; refused (weights_only=True): test_hostile_inputs._Meta*",
+         _both(lambda project: torch.save({"x": torch.zeros(3, 1, 8, 8), "meta": _Meta()},
+                                          project.pytester.path / "data/eval.pt"),
+               _ini(data="data/eval.pt"))),
+    Case("data_negative_labels", ("pmi",),
+         "*max_pmi_ub: cannot compute pmi upper bound: labels must be non-negative class indices, found -1. Fix:*",
+         _npz("data/eval.npz", x=lambda a: a["x"], y=lambda a: a["y"] - 1)),
+    Case("data_factory_returns_none", ("kact",), "*dnnsafety_data='datamod:load'*the factory returned None*",
+         _data_fixture("return None")),
     Case("data_unknown_suffix", ("kact",), "*unknown suffix '.csv'*", _ini(data="data/scenarios.csv")),
     Case("data_factory_raises", ("kact",), "*datamod:load*ValueError*",
          _data_fixture("raise ValueError('bucket not mounted')")),
@@ -328,7 +377,8 @@ CASES = [
                        "shuffle=True)")),
     Case("data_in_wrong_layout_for_the_model", ("kact", "pmi"), "*the model raised RuntimeError on batch 0*",
          _data_fixture("return x.reshape(x.shape[0], 64), y")),
-    Case("labels_beyond_the_models_classes", ("pmi",), "*",  # refined below once the message is fixed
+    Case("labels_beyond_the_models_classes", ("pmi",),
+         "*max_pmi_ub: cannot compute pmi upper bound: labelled data holds class 7 but the model has 3 classes. Fix:*",
          _npz("data/eval.npz", x=lambda a: a["x"], y=lambda a: a["y"] + 5)),
     # ------------------------------------------------------------------ the scenario table
     Case("scenarios_with_rows_describing_no_sample", ("coverage",),
@@ -337,19 +387,21 @@ CASES = [
     Case("scenarios_shorter_than_the_data", ("coverage", "pattern"),
          "*the scenario table has 40 rows but the data has 48 samples*",
          _scenarios(_healthy_rows(40))),
-    Case("scenarios_value_outside_the_domain", ("coverage",), "*foggy*",
+    Case("scenarios_value_outside_the_domain", ("coverage",),
+         "*scenarios.csv', line 49, column 1 ('light'): value 'foggy' is not in the domain*",
          _scenarios(_healthy_rows(N - 1) + ["foggy,none"])),
-    Case("scenarios_missing_a_condition_column", ("coverage",), "*blur*",
+    Case("scenarios_missing_a_condition_column", ("coverage",),
+         "*scenarios.csv', line 1: missing column(s) for condition(s) 'blur'*",
          _scenarios([row.split(",")[0] for row in _healthy_rows()], header="light")),
-    Case("scenarios_empty_table", ("coverage",), "*scenarios.csv*",
+    Case("scenarios_empty_table", ("coverage",), "*the scenario table has 0 rows but the data has 48 samples*",
          _scenarios([])),
     Case("scenarios_break_a_declared_restriction", ("coverage",), "*row*night*low*",
          _both(_write("data/conditions.toml", CONDITIONS + '\n[[restrictions]]\nlight = "night"\nblur = "low"\n'))),
-    Case("conditions_toml_is_not_toml", ("coverage",), "*conditions.toml*",
+    Case("conditions_toml_is_not_toml", ("coverage",), "*conditions.toml' is not valid TOML: Expected ']'*",
          _write("data/conditions.toml", "[conditions\nlight = day\n")),
     Case("conditions_file_missing", ("coverage",), "*dnnsafety_conditions='data/nothing.toml'*file not found*",
          _ini(conditions="data/nothing.toml")),
-    Case("where_names_an_unknown_condition", ("pattern",), "*season*",
+    Case("where_names_an_unknown_condition", ("pattern",), "*where: unknown condition 'season'; use one of light, blur*",
          _write("test_gates.py", """
              import pytest
 
@@ -404,9 +456,40 @@ CASES = [
     Case("seed_beyond_64_bits", ("kact",), "*dnnsafety_seed='100000000000000000000000'*", _ini(seed="1" + "0" * 23),
          usage_error=True),
     Case("device_cuda_without_cuda", ("kact",), "*CUDA is not available*", _ini(device="cuda")),
+    Case("operational_data_empty", ("pmi",), "*operational data*no samples*",
+         _npz("data/operation.npz", x=lambda a: a["x"][:0])),
+    Case("batch_size_zero_in_the_ini", ("kact",), "*dnnsafety_batch_size='0' (from ini option*must be >= 1*",
+         _ini(batch_size="0"), usage_error=True),
+    Case("json_path_inside_a_file", ("kact",), "*--dnnsafety-json*", args=("--dnnsafety-json=data/eval.npz/e.json",),
+         usage_error=True),
     Case("json_path_is_a_directory", ("kact",), "*--dnnsafety-json*directory*", args=("--dnnsafety-json=.",),
          usage_error=True),
 ]
+
+
+class _Meta:
+    """A Python object inside a data file: unpickling it would import this test module."""
+
+
+def _broken_torchscript(path: Path) -> None:
+    """A zip laid out like a TorchScript archive whose code is garbage."""
+    path.unlink()
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("model/code/__torch__.py", "def forward(self, x):\n    return ???\n")
+        archive.writestr("model/data.pkl", b"\x80\x02}q\x00.")
+        archive.writestr("model/constants.pkl", b"\x80\x02)q\x00.")
+        archive.writestr("model/version", "3\n")
+
+
+def _fixed_batch_export(project: GateProject) -> None:
+    """The trained net exported by torch.export for batches of exactly 7 images."""
+    namespace: dict = {}
+    exec(compile(NETMOD, "netmod", "exec"), namespace)
+    net = namespace["Net"]()
+    net.load_state_dict(torch.load(project.pytester.path / "model.pt", weights_only=True))
+    program = torch.export.export(net.eval(), (torch.rand(7, 1, 8, 8),))
+    torch.export.save(program, project.pytester.path / "model.pt2")
+    project.ini["dnnsafety_model"] = "model.pt2"
 
 
 def _gate_module(names: tuple[str, ...]) -> str:

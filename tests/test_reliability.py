@@ -591,3 +591,18 @@ def test_non_finite_logits_are_an_error_naming_the_first_bad_batch(poison: str) 
     assert f"max_pmi_ub: model on the {where}" in str(info.value) if where == "labelled points" else where in str(info.value)
     if poison == "nan_rows_later":
         assert "in 6568 of 50002 inputs; the first bad batch is batch 2" in str(info.value)
+
+
+def test_a_model_whose_class_count_changes_after_the_labelled_points_is_an_error() -> None:
+    """One guard per phase would accept 2 classes on the labelled points and 3 on the cell samples."""
+    calls = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        out = torch.stack([0.5 - x[:, 0], x[:, 0] - 0.5], 1)
+        return out if len(calls) == 1 else torch.cat([out, out[:, :1]], 1)
+
+    x_lab = _uniform(37, 9)
+    with pytest.raises(MetricError, match="returned 3 class scores, expected 2"):
+        _quiet(assess_reliability, model, _uniform(100, 0), (x_lab, _truth(x_lab)), eps=0.1, box=UNIT_BOX,
+               samples_per_cell=50, bootstrap=0, batch_size=4096)

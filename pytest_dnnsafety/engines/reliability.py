@@ -786,7 +786,8 @@ def _labels_tensor(raw_y: Any, n: int, device: torch.device) -> Tensor:
     if y_lab.shape[0] != n:
         raise DataError(f"labelled: {n} inputs but {y_lab.shape[0]} labels")
     if y_lab.numel() and int(y_lab.min()) < 0:
-        raise DataError("labels must be non-negative class indices")
+        raise DataError(f"labels must be non-negative class indices, found {int(y_lab.min())}. Fix: map the labels "
+                        f"to 0..K-1 in the order of the model's outputs")
     return y_lab.to(torch.int64)
 
 
@@ -1494,7 +1495,9 @@ class ReliabilityAssessor:
             if self.failure_pairs is not None:
                 k = max(k, 1 + max(max(p) for p in self.failure_pairs))
         if self._y_lab is not None and self._y_lab.numel() and int(self._y_lab.max()) >= k:
-            raise DataError(f"labelled data holds class {int(self._y_lab.max())} but the model has {k} classes")
+            raise DataError(f"labelled data holds class {int(self._y_lab.max())} but the model has {k} classes. Fix: "
+                            f"labels must index the model's outputs (0..{k - 1}); check that the data belong to this "
+                            f"model and its class order")
         if self.failure_pairs is not None and max(max(p) for p in self.failure_pairs) >= k:
             raise ConfigError(f"failures name class {max(max(p) for p in self.failure_pairs)}, "
                               f"but the model has {k} classes")
@@ -1513,10 +1516,13 @@ class ReliabilityAssessor:
         rank = _check_int(rank, "rank", 0)
         if rank >= world_size:
             raise ConfigError(f"rank {rank} must be below world_size {world_size}")
-        adapter = _ModelAdapter(model, self.num_classes)
         self.queries = 0
         self._label_extremes: Tensor | None = None
         self._predict_labelled(model)
+        adapter = _ModelAdapter(model, self.num_classes)
+        # One model, one number of classes: the Monte Carlo queries must return as many class scores
+        # as the queries on the labelled points did (a guard per phase would accept a change between them).
+        adapter.guard.num_classes = self._labelled_classes
         if self.n_sampled_cells == 0:
             return engine if engine is not None else self.new_engine(self.num_classes or 2)
         k = self._probe(adapter)
@@ -1556,6 +1562,7 @@ class ReliabilityAssessor:
         like the Monte Carlo queries (NaN/inf outputs raise, naming the first bad batch).
         """
         self._lab_pred: Tensor | None = None
+        self._labelled_classes: int | None = None
         if self._x_lab_raw is None or self._y_lab is None or not self._y_lab.numel():
             return
         adapter = _ModelAdapter(model, self.num_classes, what="max_pmi_ub: model on the labelled points")
@@ -1566,6 +1573,7 @@ class ReliabilityAssessor:
             x = x_all[start : start + step].to(self.device, self.input_dtype)
             preds.append(adapter(x))
         adapter.check()
+        self._labelled_classes = adapter.guard.num_classes
         pred = torch.cat(preds).to(torch.int64)
         self.labelled_queries = int(pred.shape[0])
         if adapter.outputs_labels and pred.numel():
