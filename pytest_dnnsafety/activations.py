@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import progress
 from .errors import ConfigError, DataError, DnnSafetyError, MetricError
-from .loading import iter_batches
+from .loading import iter_batches, known_length
 
 __all__ = ["LayerActivations", "ActivationCache", "capture", "check_layers", "layer_names", "REDUCTIONS"]
 
@@ -136,6 +137,11 @@ def _model_device(model: torch.nn.Module, fallback: torch.device) -> torch.devic
     return fallback
 
 
+def _known_length(data: Any) -> int:
+    """The number of inputs in ``data`` when known without reading it (for progress); else 0."""
+    return known_length(data) or 0
+
+
 def capture(
     model: Any,
     data: Any,
@@ -184,10 +190,13 @@ def capture(
     try:
         _set_mode(model, False)
         with torch.no_grad():
+            total, done = _known_length(data), 0
             for x, _ in iter_batches(data, batch_size):
                 x = x.to(target, non_blocking=True)
                 guard(model, x)
                 sizes.append(int(x.shape[0]))
+                done += sizes[-1]
+                progress.tick(done, total, "inputs")
     finally:
         for handle in handles:
             handle.remove()

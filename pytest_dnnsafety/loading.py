@@ -69,6 +69,7 @@ __all__ = [
     "load_scenario_table",
     "as_tensors",
     "iter_batches",
+    "known_length",
 ]
 
 
@@ -464,6 +465,35 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     x, y = as_tensors(data)
     for start in range(0, x.shape[0], batch_size):
         yield x[start:start + batch_size], (y[start:start + batch_size] if y is not None else None)
+
+
+def known_length(data: Any) -> int | None:
+    """The number of samples in ``data`` when it is known without reading the data, else None.
+
+    ``TensorDataset`` and any sized dataset: ``len``; a tensor or array: ``shape[0]``; ``(x, y)``
+    or ``{"x": ...}``: rows of ``x``; a ``DataLoader``: the length of its sampler, less a dropped
+    last batch. Never iterates (a loader may be one-shot) and never raises.
+    """
+    try:
+        if isinstance(data, torch.utils.data.DataLoader):
+            n = len(data.sampler) if data.batch_sampler is not None else len(data.dataset)  # type: ignore[arg-type]
+            if data.drop_last and data.batch_size:
+                n -= n % data.batch_size
+            return int(n)
+        if isinstance(data, torch.utils.data.TensorDataset):
+            return int(data.tensors[0].shape[0])
+        if isinstance(data, Mapping) and "x" in data:
+            data = data["x"]
+        elif isinstance(data, (tuple, list)) and len(data) in (1, 2) and hasattr(data[0], "shape"):
+            data = data[0]
+        shape = getattr(data, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
+        if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
+            return int(len(data))  # type: ignore[arg-type]
+    except Exception:  # an unsized sampler or dataset: unknown
+        return None
+    return None
 
 
 def _is_scalar_list(data: Sequence[Any]) -> bool:

@@ -87,6 +87,10 @@ _PAIR_ELEMS = 1 << 22
 _SLAB_ELEMS = 1 << 23
 #: Widths of the neuron range J are rounded up to this multiple (BLAS runs faster on them).
 _ALIGN = 16
+
+#: Largest layer whose per-neuron coverage shares go into the details as ``per_neuron_coverage`` (for plots).
+PER_NEURON_PLOT_LIMIT = 4096
+
 #: A tuple's 2^k pattern flags (bools, one byte each) viewed as one machine word.
 _WORD = {1: torch.int16, 2: torch.int32, 3: torch.int64}
 
@@ -265,8 +269,12 @@ class NeuronCoverageResult:
         return f"{self.value:.3f} ({self.detail(max_items)})"
 
     def to_details(self) -> dict[str, object]:
-        """JSON-able details (plain str/int/float/bool/list/dict only)."""
-        return {
+        """JSON-able details (plain str/int/float/bool/list/dict only).
+
+        ``per_neuron_coverage`` (for plots; the shares of ``per_neuron``) is left out for layers of
+        more than :data:`PER_NEURON_PLOT_LIMIT` neurons.
+        """
+        details: dict[str, object] = {
             "metric": "neuron_k_activation",
             "value": float(self.value),
             "covered": int(self.covered),
@@ -283,6 +291,10 @@ class NeuronCoverageResult:
                 for neurons, states in self.missing_patterns
             ],
         }
+        if self.n_neurons <= PER_NEURON_PLOT_LIMIT:
+            # per neuron: the share of the on/off patterns of the k-tuples containing it that are covered
+            details["per_neuron_coverage"] = [float(v) for v in self.per_neuron]
+        return details
 
 
 class NeuronKActivationEngine(Engine):

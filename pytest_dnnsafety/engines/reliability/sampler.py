@@ -1,0 +1,256 @@
+"""The Monte Carlo sampler of the reliability assessment (eqs. 13–14): block-seeded cell samples, model batches.
+
+Part of :mod:`pytest_dnnsafety.engines.reliability`: :class:`MonteCarloSampler` holds the sampling
+steps of :class:`~pytest_dnnsafety.engines.reliability.ReliabilityAssessor` (a mixin; the plan it
+samples is made by :class:`~pytest_dnnsafety.engines.reliability.planning.CellPlanner`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pytest_dnnsafety import progress
+from pytest_dnnsafety.engines.reliability.cells import _check_int
+from pytest_dnnsafety.engines.reliability.model import _check_label_bounds, _check_label_range, _ModelAdapter
+from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
+from pytest_dnnsafety.errors import ConfigError, DataError
+
+#: Samples per random block: each block of the (cell, sample) stream has its own generator.
+BLOCK = 4096
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _mix(seed: int, block: int) -> int:
+    return (int(seed) * 1_000_003 + (block + 1) * _MIX) % (2**63 - 1)
+
+
+class MonteCarloSampler:
+    """The Monte Carlo half of :class:`~pytest_dnnsafety.engines.reliability.ReliabilityAssessor` (a mixin)."""
+
+    @property
+    def n_sampled_cells(self) -> int:
+        return int(self._sampled.numel())
+
+    @property
+    def total_samples(self) -> int:
+        return int(self._ends[-1]) if self._ends.numel() else 0
+
+    def new_engine(self, num_classes: int) -> CellTallyEngine:
+        """An empty :class:`CellTallyEngine` sized for this plan."""
+        return CellTallyEngine(self.n_sampled_cells, num_classes, device=self.device)
+
+    def _sample_dtype(self) -> torch.dtype:
+        if self.cell_kind == "balls":
+            assert self.radius is not None
+            span = float(self._centres.abs().max()) + self.radius if self._centres.numel() else 1.0
+            return torch.float64 if span / self.radius > 2**16 else torch.float32
+        span = max(max(abs(v) for v in self.grid.lower), max(abs(v) for v in self.grid.upper))
+        return torch.float64 if span / min(self.grid.eps) > 2**16 else torch.float32
+
+    def _batch_inputs(self, first: int, last: int, dtype: torch.dtype, corners: Tensor
+                      ) -> tuple[Tensor, Tensor, tuple[int, int]]:
+        """Cells (relative to the touched range), latent inputs and the touched cell range ``[lo, hi)`` of blocks
+        ``first..last - 1``.
+
+        Each block draws its uniforms from its own generator seeded by ``(seed, block)``, so a
+        sample does not depend on which batch or worker processes its block.
+        """
+        start, stop = first * BLOCK, min(self.total_samples, last * BLOCK)
+        d = self._sample_dim
+        l2 = self.cell_kind == "balls" and self.norm == "l2"
+        u = torch.empty(stop - start, d, dtype=dtype, device=self.device)
+        rad = torch.empty(stop - start, 1, dtype=dtype, device=self.device) if l2 else None
+        gen = self._generator
+        for block in range(first, last):
+            lo = block * BLOCK - start
+            hi = min(stop - start, lo + BLOCK)
+            gen.manual_seed(_mix(self.seed, block))
+            if rad is not None:  # L2 ball: Gaussian direction, then the radius quantile
+                torch.randn(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
+                torch.rand(hi - lo, 1, generator=gen, dtype=dtype, device=self.device, out=rad[lo:hi])
+            else:
+                torch.rand(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
+        # the cells the batch touches and how many of its samples fall in each (the first and last
+        # cell may be cut by the batch edges); corners and cell indices are expanded by repetition
+        if self.allocation == "uniform":
+            n = self.samples_per_cell
+            lo, hi = start // n, (stop - 1) // n + 1
+            cell_starts = torch.arange(lo, hi, dtype=torch.int64) * n
+            cell_ends = cell_starts + n
+        else:
+            ends = self._ends
+            lo = int(torch.searchsorted(ends, torch.tensor(start), right=True))
+            hi = int(torch.searchsorted(ends, torch.tensor(stop - 1), right=True)) + 1
+            cell_ends = ends[lo:hi]
+            cell_starts = cell_ends - self._trials[lo:hi]
+        reps = (cell_ends.clamp_max(stop) - cell_starts.clamp_min(start)).to(self.device)
+        count = stop - start
+        local = torch.arange(hi - lo, device=self.device).repeat_interleave(reps, output_size=count)
+        picked = corners[lo:hi].repeat_interleave(reps, dim=0, output_size=count)  # (B, 2d): lower | width
+        if rad is not None:  # uniform in the L2 ball: centre + ε · U^{1/d} · g/‖g‖
+            assert self.radius is not None
+            scale = rad.pow_(1.0 / d).mul_(self.radius).div_(torch.linalg.vector_norm(u, dim=1, keepdim=True)
+                                                             .clamp_min(torch.finfo(dtype).tiny))
+            z = u.mul_(scale).add_(picked[:, :d])
+        else:
+            z = u.mul_(picked[:, d:]).add_(picked[:, :d])
+        if self.clip is not None:  # exact for L∞ (the sampled box is already clipped; guards rounding)
+            z = z.clamp_(self.clip[0], self.clip[1])
+        return local, z, (lo, hi)
+
+    def _run_blocks(self, adapter: _ModelAdapter, engine: CellTallyEngine, first: int, last: int,
+                    dtype: torch.dtype, corners: Tensor) -> int:
+        local, z, cell_range = self._batch_inputs(first, last, dtype, corners)
+        x = self._to_input(z)
+        if x.dtype != self.input_dtype:
+            x = x.to(self.input_dtype)
+        preds = adapter(x)
+        if adapter.outputs_labels:
+            # Label range: extremes kept on the device and checked once after the loop (no host sync
+            # per batch); clamped meanwhile so the tally stays in range (a bad run raises anyway).
+            lo, hi = preds.min().reshape(1), preds.max().reshape(1)
+            self._label_extremes = (torch.cat([lo, hi]) if self._label_extremes is None else
+                                    torch.stack([torch.minimum(self._label_extremes[0], lo[0]),
+                                                 torch.maximum(self._label_extremes[1], hi[0])]))
+            preds = preds.clamp(0, engine.num_classes - 1)
+        engine.update_local(local, preds, *cell_range)
+        return int(local.shape[0])
+
+    def _probe(self, adapter: _ModelAdapter) -> int:
+        """One small model call on the first sampled cell's centre: validates the output, returns ``K``."""
+        z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self._sample_dtype()).expand(2, -1)
+        x = self._to_input(z.contiguous())
+        x = x.to(self.input_dtype)
+        raw = adapter.raw(x)
+        preds = adapter.to_labels(raw)
+        if self.num_classes is not None:
+            k = self.num_classes
+        elif isinstance(raw, Tensor) and raw.ndim == 2:
+            k = int(raw.shape[1])
+        else:
+            k = max(2, int(preds.max()) + 1)
+            if self._y_lab is not None and self._y_lab.numel():
+                k = max(k, int(self._y_lab.max()) + 1)
+            if self.failure_pairs is not None:
+                k = max(k, 1 + max(max(p) for p in self.failure_pairs))
+        if self._y_lab is not None and self._y_lab.numel() and int(self._y_lab.max()) >= k:
+            raise DataError(f"labelled data holds class {int(self._y_lab.max())} but the model has {k} classes. Fix: "
+                            f"labels must index the model's outputs (0..{k - 1}); check that the data belong to this "
+                            f"model and its class order")
+        if self.failure_pairs is not None and max(max(p) for p in self.failure_pairs) >= k:
+            raise ConfigError(f"failures name class {max(max(p) for p in self.failure_pairs)}, "
+                              f"but the model has {k} classes")
+        if adapter.outputs_labels:
+            _check_label_range(preds, k)
+        return k
+
+    def sample(self, model: Callable[[Tensor], Any], engine: CellTallyEngine | None = None, *,
+               rank: int = 0, world_size: int = 1) -> CellTallyEngine:
+        """Run the Monte Carlo of this worker's share of blocks into ``engine`` (a new one when ``None``).
+
+        Blocks ``[rank·nb/world_size, (rank+1)·nb/world_size)`` are this worker's; merging the
+        engines of all ranks gives exactly the single-process result.
+        """
+        world_size = _check_int(world_size, "world_size", 1)
+        rank = _check_int(rank, "rank", 0)
+        if rank >= world_size:
+            raise ConfigError(f"rank {rank} must be below world_size {world_size}")
+        self.queries = 0
+        self._label_extremes: Tensor | None = None
+        self._predict_labelled(model)
+        adapter = _ModelAdapter(model, self.num_classes)
+        # One model, one number of classes: the Monte Carlo queries must return as many class scores
+        # as the queries on the labelled points did (a guard per phase would accept a change between them).
+        adapter.guard.num_classes = self._labelled_classes
+        if self.n_sampled_cells == 0:
+            return engine if engine is not None else self.new_engine(self.num_classes or 2)
+        k = self._probe(adapter)
+        if engine is None:
+            engine = self.new_engine(k)
+        elif engine.n_cells != self.n_sampled_cells or engine.num_classes != k:
+            raise ConfigError(
+                f"engine is sized {engine.n_cells} cells × {engine.num_classes} classes, the plan needs "
+                f"{self.n_sampled_cells} × {k}"
+            )
+        engine.to(self.device)
+        dtype = self._sample_dtype()
+        corners = torch.cat([self._sample_lower, self._sample_width], 1).to(self.device, dtype)
+        self._ends_dev = self._ends.to(self.device)
+        self._generator = torch.Generator(device=self.device)
+        n_blocks = -(-self.total_samples // BLOCK)
+        first, last = rank * n_blocks // world_size, (rank + 1) * n_blocks // world_size
+        block = first
+        per_batch = self._initial_blocks() if self.batch_size == "auto" else max(1, self.batch_size // BLOCK)
+        if self.batch_size == "auto":
+            block, per_batch = self._autotune(adapter, engine, block, last, dtype, corners)
+        self.blocks_per_batch = per_batch
+        total = max(0, min(self.total_samples, last * BLOCK) - first * BLOCK)  # this rank's model queries
+        while block < last:
+            stop = min(last, block + per_batch)
+            self.queries += self._run_blocks(adapter, engine, block, stop, dtype, corners)
+            block = stop
+            progress.tick(self.queries, total, "queries")
+        adapter.check()  # NaN/inf logits: one host sync after the loop, naming the first bad batch
+        if self._label_extremes is not None:
+            lo, hi = self._label_extremes.tolist()
+            _check_label_bounds(int(lo), int(hi), engine.num_classes)
+        return engine
+
+    def _predict_labelled(self, model: Callable[[Tensor], Any]) -> None:
+        """The model's predictions on the labelled inputs (for the labelled-data checks of :meth:`finish`).
+
+        The inputs go to the model as given (input space, their own shape), in batches, guarded
+        like the Monte Carlo queries (NaN/inf outputs raise, naming the first bad batch).
+        """
+        self._lab_pred: Tensor | None = None
+        self._labelled_classes: int | None = None
+        if self._x_lab_raw is None or self._y_lab is None or not self._y_lab.numel():
+            return
+        adapter = _ModelAdapter(model, self.num_classes, what="max_pmi_ub: model on the labelled points")
+        x_all = self._x_lab_raw
+        step = self.batch_size if isinstance(self.batch_size, int) else 4 * BLOCK
+        preds = []
+        for start in range(0, int(x_all.shape[0]), step):
+            x = x_all[start : start + step].to(self.device, self.input_dtype)
+            preds.append(adapter(x))
+        adapter.check()
+        self._labelled_classes = adapter.guard.num_classes
+        pred = torch.cat(preds).to(torch.int64)
+        self.labelled_queries = int(pred.shape[0])
+        if adapter.outputs_labels and pred.numel():
+            lo, hi = int(pred.min()), int(pred.max())
+            k = self.num_classes if self.num_classes is not None else max(hi, int(self._y_lab.max())) + 1
+            _check_label_bounds(lo, hi, max(k, 2))
+        self._lab_pred = pred.cpu()
+
+    def _initial_blocks(self) -> int:
+        return 2 if self.device.type == "cpu" else 64
+
+    def _autotune(self, adapter: _ModelAdapter, engine: CellTallyEngine, block: int, last: int,
+                  dtype: torch.dtype, corners: Tensor) -> tuple[int, int]:
+        """Time real batches of the stream at a few sizes and keep the fastest (results do not depend on it)."""
+        # CPU: small multiples of BLOCK (a tiny MLP is fastest at 12k–16k inputs, while activations fit
+        # the caches); accelerators: large batches
+        candidates = [1, 2, 3, 4, 6, 8] if self.device.type == "cpu" else [16, 64, 256]
+        if last - block < 4 * sum(candidates):
+            return block, self._initial_blocks()
+        rates = {}
+        for per_batch in candidates:
+            elapsed = math.inf
+            for _ in range(2):
+                sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                self.queries += self._run_blocks(adapter, engine, block, block + per_batch, dtype, corners)
+                sync()
+                elapsed = min(elapsed, time.perf_counter() - t0)
+                block += per_batch
+            rates[per_batch] = per_batch / max(elapsed, 1e-9)
+        return block, max(rates, key=lambda b: rates[b])
