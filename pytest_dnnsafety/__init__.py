@@ -2,7 +2,10 @@
 
 The public API is what ``__all__`` lists. Objects that need torch (``ScenarioTable``,
 ``Conditions``, the engines) are imported on first access, so importing the package (which pytest
-does for every run once the plugin is installed) costs no torch import.
+does for every run once the plugin is installed) costs no torch import. The gate-writing API
+(``GateDef``, ``Param``, ``GateSpec``, ``GateContext``, ``GateRegistry``, ``REQUIRED``,
+``Measurement``, ``hookimpl``) is what a ``conftest.py`` or a plugin uses to add its own gates
+through the ``pytest_dnnsafety_register_gates`` hook (see :mod:`pytest_dnnsafety.hookspecs`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from .errors import ConfigError, DataError, DnnSafetyError, MarkerError, MetricE
 from .results import GateResult, Measurement
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+    from .hookspecs import hookimpl
     from .activations import ActivationCache, capture
     from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
     from .engines.reliability import ReliabilityResult, assess_reliability
@@ -32,6 +37,13 @@ __all__ = [
     "MetricError",
     "GateResult",
     "Measurement",
+    "GateDef",
+    "Param",
+    "REQUIRED",
+    "GateSpec",
+    "GateContext",
+    "GateRegistry",
+    "hookimpl",
     "Conditions",
     "ScenarioTable",
     "CoverageResult",
@@ -47,6 +59,14 @@ __all__ = [
 ]
 
 _LAZY = {
+    # the gate-writing API (no torch; imported on first use so `import pytest_dnnsafety` stays light)
+    "GateDef": ".gates.core",
+    "Param": ".gates.core",
+    "REQUIRED": ".gates.core",
+    "GateSpec": ".gates.core",
+    "GateContext": ".gates.core",
+    "GateRegistry": ".gates.core",
+    "hookimpl": ".hookspecs",
     "Conditions": ".scenarios",
     "ScenarioTable": ".scenarios",
     "CoverageResult": ".scenarios",

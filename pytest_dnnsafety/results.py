@@ -76,6 +76,10 @@ class GateResult:
     device: str = ""
     #: role -> what the gate read for it: fixture name, origin, object type and content digest
     inputs: dict[str, Any] = field(default_factory=dict)
+    #: the comparison with a stored baseline run (``--dnnsafety-baseline``), or None without one:
+    #: ``status`` (ok, improved, regressed, missing, inputs-changed), ``baseline_value``, ``change``,
+    #: ``limit`` (the marker's ``max_drop``/``max_rise``) and ``message``
+    baseline: dict[str, Any] | None = None
 
     @property
     def compared(self) -> float | None:

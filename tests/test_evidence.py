@@ -339,7 +339,7 @@ def test_plugin_fixture_inputs_name_the_setting_and_file_digest(gate_project: Ga
     assert settings["scenarios"]["source"].startswith("ini option dnnsafety_scenarios in ")
     assert settings["scenarios"]["path"] == str(csv)
     assert settings["conditions"]["sha256"] == _sha256(gate_project.pytester.path / "data/conditions.toml")
-    assert entry["type"] == "pytest_dnnsafety.scenarios.ScenarioTable"
+    assert entry["type"] == "pytest_dnnsafety.scenarios.table.ScenarioTable"
     assert entry["digest"].startswith("sha256:") and entry["rows"] == len(FIG2_SCENARIOS.splitlines()) - 1
 
 

@@ -1,0 +1,208 @@
+"""Evaluation of a validated gate into a :class:`GateResult`: measure, compare, check the baseline.
+
+:func:`evaluate` runs after the test body passed; the metric itself is computed by the gate's
+``measure`` function (an engine), never here. It never raises for a metric error: any exception
+becomes an ``error`` verdict that names the cause. No torch import here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Mapping
+
+from .. import progress
+from ..config import Settings
+from ..errors import DnnSafetyError, MetricError
+from ..results import GateResult, format_number
+from .core import COMMON_SETTINGS, GateContext, GateSpec
+
+__all__ = ["context_for", "evaluate", "progress_writer"]
+
+#: A progress writer: called with one line of text (see pytest_dnnsafety.progress).
+Writer = Callable[[str], None]
+
+
+def progress_writer(config: Any) -> Writer | None:
+    """``progress.writer_for(config)``: a callable taking progress lines, or None (silent)."""
+    return progress.writer_for(config)
+
+
+# ------------------------------------------------------------------------------------- evaluation
+
+
+def context_for(spec: GateSpec, settings: Settings) -> GateContext:
+    """Settings for one gate, marker keywords first; the device is resolved (``auto`` → cuda/cpu)."""
+    from ..loading import resolve_device
+
+    resolved = {k: settings.get(k, spec.settings[k], marker=spec.marker) if k in spec.settings else settings.get(k)
+                for k in COMMON_SETTINGS}
+    device = str(resolve_device(resolved["device"]))
+    return GateContext(settings, resolved["seed"].value, device, resolved["batch_size"].value)
+
+
+def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settings, nodeid: str,
+             cache: dict[str, Any] | None = None, *, writer: Writer | None = None,
+             inputs: dict[str, Any] | None = None) -> GateResult:
+    """Measure the gate's metric and compare it with the threshold; never raises for metric errors.
+
+    Verdicts: ``passed``/``failed`` from the comparison; ``failed`` whatever the comparison when the
+    measurement reports a ``contradiction``; ``inconclusive`` when it reports a violated assumption;
+    ``error`` when the metric could not be computed — a :class:`DnnSafetyError` (a message naming the
+    cause and the fix) or any other exception (the model raised, a dtype mismatch, a bug), recorded
+    with ``details.error_type``, ``details.error`` and ``details.traceback`` (the last frames).
+
+    With a ``baseline`` setting the measured result is then compared with the stored run
+    (:func:`_check_baseline`): a regression beyond ``max_drop``/``max_rise`` fails a passing gate.
+    ``writer`` receives progress lines while the metric is measured; ``inputs`` (what the gate read)
+    is recorded on the result before the baseline comparison, which uses it.
+    """
+    gate = spec.definition
+    start = time.perf_counter()
+    result = GateResult(nodeid=nodeid, marker=spec.marker, metric=gate.metric, threshold=spec.threshold,
+                        op=gate.op, status="error", inputs=dict(inputs or {}))
+    caught: list[warnings.WarningMessage] = []
+    try:
+        ctx = context_for(spec, settings)
+        if cache is not None:
+            ctx.cache = cache
+        result.device = str(ctx.device)
+        with warnings.catch_warnings(record=True) as caught:
+            # An engine's warning (e.g. eps >= r-hat) becomes part of the evidence, not a crash under -W error.
+            warnings.simplefilter("always")
+            with progress.active(label=f"{spec.marker} {nodeid}", write=writer):
+                measurement = gate.measure(spec, fixture_values, ctx)
+        compared = measurement.bound if measurement.bound is not None else measurement.value
+        judged = measurement.inconclusive is None and measurement.contradiction is None
+        if judged and (compared is None or not math.isfinite(float(compared))):
+            raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
+    except DnnSafetyError as exc:
+        return _error_result(result, spec, exc, f"cannot compute {gate.metric}", caught, start)
+    except Exception as exc:  # the model, the data or an engine raised: an error, never a pass
+        return _error_result(result, spec, exc, f"error while computing {gate.metric}", caught, start,
+                             with_traceback=True)
+    value, bound = _finite(measurement.value), _finite(measurement.bound)
+    compared = bound if measurement.bound is not None else value
+    ok = compared is not None and (compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold)
+    shown_op = gate.op if ok else ("<" if gate.op == ">=" else ">")
+    label = "" if measurement.bound is None else " (bound)"
+    result.value = value
+    result.bound = bound
+    result.details = dict(measurement.details)
+    notes = sorted({str(w.message) for w in caught})
+    if notes:
+        result.details["warnings"] = notes
+    detail = f" ({measurement.detail})" if measurement.detail else ""
+    if notes:
+        detail += " [warning: " + "; ".join(notes) + "]"
+    comparison = (f"{format_number(compared)}{label} {shown_op} {format_number(spec.threshold)}"
+                  if compared is not None else f"{format_number(compared)}{label} vs {format_number(spec.threshold)}")
+    if measurement.contradiction is not None:
+        result.passed, result.status = False, "failed"
+        result.details["contradiction"] = str(measurement.contradiction)
+        result.summary = f"{spec.marker}: contradiction: {measurement.contradiction}; {comparison}{detail}"
+    elif measurement.inconclusive is not None:
+        result.passed, result.status = False, "inconclusive"
+        result.details["inconclusive"] = str(measurement.inconclusive)
+        result.summary = f"{spec.marker}: inconclusive: {measurement.inconclusive}; {comparison}{detail}"
+    else:
+        result.passed = bool(ok)
+        result.status = "passed" if ok else "failed"
+        result.summary = f"{spec.marker}: {comparison}{detail}"
+    _check_baseline(result, spec, settings, cache)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+# ------------------------------------------------------------------------------------- baseline
+
+
+def _baseline_setting(settings: Settings) -> Any:
+    try:
+        resolved = settings.get("baseline")
+    except KeyError:  # the setting is not defined (yet) in config.py
+        return None
+    return resolved if resolved.value is not None else None
+
+
+def _load_baseline(settings: Settings, resolved: Any, cache: dict[str, Any] | None) -> Any:
+    """The stored baseline, loaded once per process (cached in the session cache); an exception if unreadable."""
+    store = cache if cache is not None else {}
+    path = settings.path(resolved)
+    key = ("baseline", str(path))
+    if key not in store:
+        try:
+            from ..report.baseline import Baseline
+
+            store[key] = Baseline.load(path)
+        except Exception as exc:  # a ConfigError naming the file, or the module is missing
+            store[key] = exc
+    return store[key]
+
+
+def _check_baseline(result: GateResult, spec: GateSpec, settings: Settings, cache: dict[str, Any] | None) -> None:
+    """Compare a measured result with the stored baseline; a regression fails a gate that had passed.
+
+    ``missing`` (no stored result) and ``inputs-changed`` (the gate read other inputs than the stored
+    run) are recorded in ``result.baseline`` and never fail the gate. A baseline that cannot be read
+    or compared makes the gate an error: the user asked for a comparison that could not be made.
+    """
+    resolved = _baseline_setting(settings)
+    if resolved is None:
+        return
+    try:
+        baseline = _load_baseline(settings, resolved, cache)
+        if isinstance(baseline, Exception):
+            raise baseline
+        from ..report.baseline import compare
+
+        comparison = compare(result, baseline.lookup(result.nodeid, result.marker), spec.regression_limit)
+    except Exception as exc:
+        message = str(exc) or repr(exc)
+        result.status, result.passed = "error", None
+        result.details["baseline_error"] = message
+        result.details["baseline_error_type"] = type(exc).__name__
+        result.summary += f"; baseline: cannot compare: {message}"
+        return
+    result.baseline = dict(comparison)
+    if comparison.get("status") == "regressed" and result.status == "passed":
+        result.status, result.passed = "failed", False
+        result.summary += f"; regression: {comparison.get('message', '')}"
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _finite(number: Any) -> float | None:
+    if number is None:
+        return None
+    number = float(number)
+    return number if math.isfinite(number) else None
+
+
+def _error_result(result: GateResult, spec: GateSpec, exc: Exception, what: str,
+                  caught: list[warnings.WarningMessage], start: float, with_traceback: bool = False) -> GateResult:
+    message = str(exc) or repr(exc)
+    result.status, result.passed = "error", None
+    # An error may carry JSON-able details of its own (e.g. the scenario rows that break a restriction).
+    extra = getattr(exc, "details", None)
+    result.details = {**(extra if isinstance(extra, dict) else {}), "error": message,
+                      "error_type": type(exc).__name__}
+    if with_traceback:
+        result.details["traceback"] = _traceback_tail(exc)
+        result.summary = f"{spec.marker}: {what}: {type(exc).__name__}: {message}"
+    else:
+        result.summary = f"{spec.marker}: {what}: {message}"
+    notes = sorted({str(w.message) for w in caught or ()})
+    if notes:
+        result.details["warnings"] = notes
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _traceback_tail(exc: BaseException, frames: int = 5) -> list[str]:
+    """The last frames of an exception's traceback as ``file:line in function: source`` lines."""
+    return [f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+            for frame in traceback.extract_tb(exc.__traceback__)[-frames:]]

@@ -1,0 +1,118 @@
+"""Built-in gate family: neuron coverage (``min_neuron_k_activation``, ``max_neuron_pattern_deviation``).
+
+Engines in :mod:`..engines.neurons`; layer activations come from the session's
+:class:`~pytest_dnnsafety.activations.ActivationCache` (one forward pass per model and data).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import MetricError
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
+from .coverage import K
+
+__all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dnnsafety_register_gates"]
+
+
+def _layer_activations(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """The gate's layer activations from the session's cache (one forward pass shared by all gates)."""
+    from ..activations import ActivationCache
+
+    cache = ctx.cache.setdefault("activations", ActivationCache())
+    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
+    layer = spec.options["layer"]
+    return cache.get(fx["model"], fx["data"], [layer], batch_size=ctx.batch_size, device=ctx.device,
+                     plan=plan)[layer]
+
+
+def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
+    from ..engines.neurons import NeuronKActivationEngine
+
+    opts = spec.options
+    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
+    engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"], activation_threshold=opts["activation_threshold"],
+                                     device=acts.device)
+    engine.update(acts)
+    res = engine.compute()
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
+
+
+def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
+    from ..engines.neurons import NeuronPatternEngine
+    from ..scenarios import ScenarioTable
+
+    opts = spec.options
+    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
+    scope = "all inputs"
+    if opts["where"] is not None:
+        table = fx["scenarios"]
+        if not isinstance(table, ScenarioTable):
+            raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
+                              "not a ScenarioTable; `where` needs the scenario table")
+        from ..scenarios import check_rows_match
+
+        check_rows_match(table, int(acts.shape[0]), table_fixture=spec.fixtures["scenarios"],
+                         data_fixture=spec.fixtures["data"])
+        mask = table.row_mask(opts["where"]).to(acts.device)
+        acts = acts[mask]
+        scope = ", ".join(f"{k}={v}" for k, v in opts["where"].items())
+        if acts.shape[0] == 0:
+            raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
+    engine = NeuronPatternEngine(acts.shape[1], groups=opts["groups"],
+                                 activation_threshold=opts["activation_threshold"], device=acts.device)
+    engine.update(acts)
+    res = engine.compute()
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], "where": opts["where"], **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)
+
+
+def _is_layer(value: Any) -> str | None:
+    return None if value else "must be a non-empty module name such as 'features.3'"
+
+
+_LAYER = Param("layer", (str,), REQUIRED, _is_layer,
+               "name the layer as in model.named_modules(), e.g. layer='features.3'")
+_ACT_THRESHOLD = Param("activation_threshold", (int, float), 0.0, is_finite,
+                       "a neuron is on when its activation is above this number (default 0: ReLU fires)")
+_REDUCE = Param("reduce", (str,), "max", one_of("max", "mean"),
+                "use 'max' or 'mean': how a conv channel's feature map becomes one activation")
+
+MIN_NEURON_K_ACTIVATION = GateDef(
+    marker="min_neuron_k_activation",
+    metric="neuron k-activation coverage",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=(_LAYER, K, _ACT_THRESHOLD, _REDUCE),
+    fixtures={"model": "model", "data": "dataset"},
+    measure=_measure_neuron_k_activation,
+    doc="fail unless the data shows at least `threshold` of all on/off patterns of every k-tuple of "
+        "neurons in `layer` (Cheng et al. 2018, eq. 2)",
+)
+
+MAX_NEURON_PATTERN_DEVIATION = GateDef(
+    marker="max_neuron_pattern_deviation",
+    metric="neuron activation-pattern deviation",
+    op="<=",
+    threshold_range=(0.0, 1.0),
+    params=(_LAYER, Param("groups", (int,), 10, in_range(1, 10**6), "use a positive number of groups"),
+            Param("where", (dict, type(None)), None, check_where,
+                  "use a dict of condition -> value(s) selecting one scenario's inputs"),
+            _ACT_THRESHOLD, _REDUCE),
+    fixtures={"model": "model", "data": "dataset", "scenarios": "scenario_table"},
+    conditional={"scenarios": "where"},
+    measure=_measure_pattern_deviation,
+    doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
+        "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MIN_NEURON_K_ACTIVATION)
+    registry.add(MAX_NEURON_PATTERN_DEVIATION)

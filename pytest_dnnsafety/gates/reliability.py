@@ -1,0 +1,174 @@
+"""Built-in gate family: reliability (``max_pmi_ub``), engine :mod:`..engines.reliability`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from ..errors import MetricError
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+
+__all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
+
+
+def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Upper confidence bound on the pmi (Zhao et al. 2021, eqs. 1–14) under the operational profile."""
+    from ..engines.reliability import assess_reliability
+    from ..loading import as_tensors
+
+    opts = dict(spec.options)
+    labelled = as_tensors(fx["data"], f"labelled data (fixture {spec.fixtures['data']!r})")
+    if labelled[1] is None:
+        raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "
+                          "for r-separation and cell labels. Fix: provide (x, y)")
+    # Only what the user set reaches the engine (its defaults equal the marker's); grid-only and
+    # ball-only options then never collide.
+    defaults = {param.name: param.default for param in spec.definition.params}
+    given = {k: v for k, v in opts.items() if v != defaults[k]}
+    for key in ("box", "clip"):
+        if given.get(key) is not None:
+            given[key] = tuple(given[key])
+    if given.get("failures") is not None:
+        given["failures"] = [tuple(pair) for pair in given["failures"]]
+    compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
+    given.pop("compare_methods", None)
+    result = assess_reliability(fx["model"], fx["profile"], labelled, compare_methods=compare,
+                                seed=ctx.seed, device=ctx.device, **given)
+    return _pmi_measurement(result)
+
+
+def _pmi_measurement(result: Any) -> Measurement:
+    """A :class:`ReliabilityResult` as a Measurement: contradictions fail, violated assumptions are inconclusive.
+
+    * ``contradiction`` — the labelled data refute the bound (the model's labelled error is above
+      ``Ub`` at the gate's confidence, or the model's vote, Assumption 5, is refuted where labels
+      are known): the gate fails whatever the comparison.
+    * ``inconclusive`` — an assumption of the method is violated (``ε``/radius ``≥ r̂``, labelled
+      points outside the box, cross-boundary cells), unless the marker says
+      ``accept_violated_assumptions=True``: then the bound is compared and the detail says so.
+    """
+    details = result.to_details()
+    detail = result.detail()
+    contradiction = "; ".join(result.contradictions) or None
+    inconclusive = None
+    if result.violations:
+        joined = "; ".join(result.violations)
+        if result.violations_accepted:
+            detail += f"; VIOLATED ASSUMPTIONS ACCEPTED (accept_violated_assumptions=True): {joined}"
+        else:
+            inconclusive = (f"violated assumption(s) of the reliability method: {joined}. The bound is not evidence "
+                            f"until they hold (or, knowingly, accept_violated_assumptions=True)")
+    return Measurement(value=result.E, bound=result.Ub, detail=detail, details=details,
+                       inconclusive=inconclusive, contradiction=contradiction)
+
+
+#: The bound methods the marker accepts (checked against ``stats.METHODS`` by a test; no torch here).
+_PMI_METHODS = ("chernoff", "normal", "clopper-pearson", "jeffreys")
+
+
+def _positive_or_auto(value: Any) -> str | None:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if value == "auto":
+        return None
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+        return f"{value!r} must be 'auto', a positive number or a list of positive numbers"
+    return None
+
+
+def _box(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(c, (list, tuple)) and c and all(isinstance(v, (int, float)) for v in c) for c in value)
+          and len(value[0]) == len(value[1]) and all(lo < hi for lo, hi in zip(*value)))
+    return None if ok else f"{value!r} must be [lower corner, upper corner] with lower < upper in every dimension"
+
+
+def _pairs(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = isinstance(value, (list, tuple)) and value and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(c, int) and not isinstance(c, bool) for c in p)
+        for p in value)
+    return None if ok else f"{value!r} must be a non-empty list of (true class, predicted class) integer pairs"
+
+
+def _methods(value: Any) -> str | None:
+    bad = [m for m in value if m not in _PMI_METHODS]
+    return f"unknown method(s) {bad}; use {', '.join(_PMI_METHODS)}" if bad else None
+
+
+def _none_or_positive(value: Any) -> str | None:
+    return None if value is None or value >= 1 else f"{value!r} must be >= 1"
+
+
+def _clip(value: Any) -> str | None:
+    if value is None or (len(value) == 2 and all(isinstance(c, (int, float)) for c in value) and value[0] < value[1]):
+        return None
+    return f"{value!r} must be (low, high)"
+
+
+_radius: Callable[[Any], str | None] = lambda v: None if v is None else _positive_or_auto(v)  # noqa: E731
+
+MAX_PMI_UB = GateDef(
+    marker="max_pmi_ub",
+    metric="pmi upper bound",
+    op="<=",
+    threshold_range=(0.0, 1.0),
+    params=(
+        Param("confidence", (float,), 0.975, in_range(1e-9, 1 - 1e-9),
+              "use a confidence strictly between 0 and 1, e.g. 0.975"),
+        Param("method", (str,), "chernoff", one_of(*_PMI_METHODS),
+              "chernoff (sound, default), normal (the paper's eq. 7), clopper-pearson or jeffreys"),
+        Param("eps", (int, float, str, list, tuple), "auto", _positive_or_auto,
+              "cell side: 'auto' (below r-hat), a positive number, or one per dimension"),
+        Param("eps_fraction", (int, float), 1.0, in_range(1e-9, 1e9), "a positive fraction of r-hat"),
+        Param("box", (list, tuple, type(None)), None, _box,
+              "box=[[lower...], [upper...]] in profile space; None: the data's range"),
+        Param("samples_per_cell", (int,), 1000, in_range(1, 10**9), "a positive number of samples"),
+        Param("allocation", (str,), "uniform", one_of("uniform", "proportional"),
+              "uniform, or proportional to cell mass"),
+        Param("bootstrap", (int,), 100, in_range(0, 10**6), "KDE refits for Var(Op); 0 takes masses as known"),
+        Param("bandwidth", (str, int, float, list, tuple, type(None)), None, None,
+              "'scott', 'silverman', a number or one per dimension"),
+        Param("mass", (str,), "exact", one_of("exact", "centre"),
+              "exact box integrals, or centre (the paper's eq. 9)"),
+        Param("mass_target", (int, float), 1.0, in_range(1e-9, 1.0), "a share of OP mass in (0, 1]"),
+        Param("max_cells", (int, type(None)), None, _none_or_positive,
+              "a positive cell budget or None"),
+        Param("conservative_rest", (bool,), True, None, "True counts unevaluated mass as failing"),
+        Param("failures", (list, tuple, type(None)), None, _pairs,
+              "critical confusions as [(true, predicted), ...]; None: any misclassification"),
+        Param("compare_methods", (list, tuple), ("normal",), _methods,
+              "other methods to report beside the gated one"),
+        Param("cells", (str,), "grid", one_of("grid", "balls"),
+              "grid (a box of side eps) or balls (norm balls around operational inputs, for images)"),
+        Param("radius", (int, float, str, type(None)), None, _radius,
+              "ball radius: a positive number or 'auto' (r-hat under the norm)"),
+        Param("norm", (str,), "linf", one_of("linf", "l2"), "linf or l2"),
+        Param("max_balls", (int, type(None)), None, _none_or_positive,
+              "a positive number of balls or None (all operational inputs)"),
+        Param("clip", (list, tuple, type(None)), None, _clip, "the valid input range, e.g. clip=(0, 1)"),
+        Param("empty_cell_label", (str,), "model", one_of("model", "nearest"),
+              "model (the model's majority vote, the paper's Assumption 5) or nearest (the label of the "
+              "nearest labelled point)"),
+        Param("labelled_from_profile", (bool,), True, None,
+              "True: the labelled data are a sample of the operational profile, so their error rate must "
+              "not exceed the bound; False skips that check"),
+        Param("accept_violated_assumptions", (bool,), False, None,
+              "True compares the bound even when an assumption (e.g. eps < r-hat) is violated; default: "
+              "the gate is inconclusive"),
+    ),
+    fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
+    measure=_measure_pmi_ub,
+    doc="fail unless the upper confidence bound on the probability of misclassification per input "
+        "under the operational profile is at most `threshold` (Zhao et al. 2021, eqs. 5-7)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MAX_PMI_UB)
+
+
