@@ -118,6 +118,17 @@ _SETTING_LIST = [
     Setting("allow_pickle", "bool", False,
             "allow loading model files that are arbitrary pickles (unsafe: runs code from the file)",
             "use true only for model files you trust; prefer TorchScript, torch.export or a state dict"),
+    Setting("html", "path", None,
+            "write a self-contained HTML report of the gates (cards, plots) to this path; "
+            "needs the optional extra: pip install 'pytest-dnnsafety[html]'",
+            "give a writable file path such as reports/dnnsafety.html"),
+    Setting("baseline", "path", None,
+            "compare every gate with the same gate of a stored run (an evidence file written by "
+            "--dnnsafety-save-baseline or --dnnsafety-json); max_drop/max_rise on a marker fail a regression",
+            "give the path of a stored evidence file such as reports/baseline.json"),
+    Setting("save_baseline", "path", None,
+            "save this run's evidence as a baseline for later runs (--dnnsafety-baseline) to this path",
+            "give a writable file path such as reports/baseline.json"),
 ]
 
 #: All settings by name.

@@ -1,13 +1,16 @@
-"""Rendering of gate results: terminal section, JSON evidence file, JUnit post-processing.
+"""Rendering of gate results: terminal section, JSON evidence file, JUnit post-processing,
+baseline comparison and the GitHub job summary.
 
 Reports only render :class:`~pytest_dnnsafety.results.GateResult` records; they never recompute
 a metric. Nothing here imports torch.
 """
 
+from .baseline import Baseline, compare, save_baseline
 from .environment import environment, file_digest
 from .evidence import build_evidence, prepare_evidence_path, write_evidence
 from .junit import junit_name, patch_junit
-from .terminal import header_line, render_table
+from .markdown import append_step_summary, step_summary, write_github_step_summary
+from .terminal import baseline_notes, header_line, render_table
 
 __all__ = [
     "environment",
@@ -19,4 +22,11 @@ __all__ = [
     "patch_junit",
     "header_line",
     "render_table",
+    "baseline_notes",
+    "Baseline",
+    "compare",
+    "save_baseline",
+    "step_summary",
+    "append_step_summary",
+    "write_github_step_summary",
 ]

@@ -82,13 +82,22 @@ def prepare_evidence_path(path: Path) -> None:
 
 
 def write_evidence(path: Path, evidence: dict[str, Any]) -> Path:
-    """Write the evidence atomically: a temporary file in the same folder, then an atomic rename."""
-    text = json.dumps(evidence, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    """Write the evidence atomically (see :func:`write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(evidence, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then a rename.
+
+    A reader never sees half a file, a failed write leaves no temporary file behind, and the file
+    gets the usual mode (``0666 & ~umask``, not ``mkstemp``'s 0600): evidence is made to be shared.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -97,3 +106,9 @@ def write_evidence(path: Path, evidence: dict[str, Any]) -> Path:
             pass
         raise
     return path
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current

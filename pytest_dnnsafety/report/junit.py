@@ -4,7 +4,8 @@ Run by the controller only (under xdist the workers write no JUnit), after pytes
 
 * run metadata becomes suite-level ``<property>`` elements (allowed by the JUnit XSD);
 * each gated testcase gets its gates' summary lines in ``<system-out>`` (before ``<system-err>``,
-  as the schema orders them);
+  as the schema orders them), each followed by its baseline comparison when there is one
+  (``| baseline: 0.934 → 0.901 (−0.033, max_drop 0.02): regressed``);
 * per-testcase ``<properties>`` are written only when the user opts in
   (``dnnsafety_junit_properties``), because the XSD that CI servers validate against rejects them.
 """
@@ -18,7 +19,7 @@ from typing import Mapping, Sequence
 
 from ..results import GateResult, format_number
 
-__all__ = ["junit_name", "patch_junit"]
+__all__ = ["junit_name", "patch_junit", "gate_line"]
 
 
 def junit_name(nodeid: str, prefix: str | None = None) -> tuple[str, str]:
@@ -31,6 +32,20 @@ def junit_name(nodeid: str, prefix: str | None = None) -> tuple[str, str]:
     if prefix:
         classnames.insert(0, prefix)
     return ".".join(classnames), names[-1]
+
+
+def _baseline(result: GateResult) -> dict | None:
+    comparison = getattr(result, "baseline", None)
+    return comparison if isinstance(comparison, dict) else None
+
+
+def gate_line(result: GateResult) -> str:
+    """The gate's line in ``<system-out>``; with a baseline comparison, its message is appended."""
+    line = f"[dnnsafety] {result.status.upper()} {result.summary}"
+    comparison = _baseline(result)
+    if comparison and comparison.get("message"):
+        line += f" | baseline: {comparison['message']}"
+    return line
 
 
 def _properties(parent: ET.Element) -> ET.Element:
@@ -79,12 +94,14 @@ def patch_junit(
             if not gates:
                 continue
             annotated += 1
-            _add_output(case, "\n".join(f"[dnnsafety] {g.status.upper()} {g.summary}" for g in gates))
+            _add_output(case, "\n".join(gate_line(g) for g in gates))
             if testcase_properties:
                 case_props = _properties(case)
                 for g in gates:
+                    comparison = _baseline(g) or {}
                     for field, val in (("value", g.value), ("bound", g.bound), ("threshold", g.threshold),
-                                       ("status", g.status)):
+                                       ("status", g.status), ("baseline_status", comparison.get("status")),
+                                       ("baseline_change", comparison.get("change"))):
                         if val is not None:
                             shown = val if isinstance(val, str) else format_number(val)
                             ET.SubElement(case_props, "property",

@@ -1,4 +1,9 @@
-"""The ``dependability gates`` terminal section: a header line and one row per gate."""
+"""The ``dependability gates`` terminal section: a header line and one row per gate.
+
+When any gate was compared with a baseline (``GateResult.baseline``, see :mod:`.baseline`), the
+table gets a ``change`` column: the signed change of the compared number (``+0.012``), ``−0.033 ✗``
+for a regression, ``new`` for a gate the baseline lacks, ``inputs≠`` when the inputs changed.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from typing import Any, Sequence
 
 from ..results import GateResult, format_number
 
-__all__ = ["header_line", "render_table", "VERDICTS"]
+__all__ = ["header_line", "render_table", "baseline_notes", "change_cell", "VERDICTS"]
 
 #: status -> (verdict text, terminal markup)
 VERDICTS = {
@@ -29,24 +34,62 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 1)] + "…"
 
 
+def _baseline(result: GateResult) -> dict[str, Any] | None:
+    comparison = getattr(result, "baseline", None)
+    return comparison if isinstance(comparison, dict) else None
+
+
+def change_cell(comparison: dict[str, Any] | None) -> str:
+    """The ``change`` column's text for one gate's baseline comparison ("" when not compared)."""
+    from .baseline import format_change
+
+    if not comparison:
+        return ""
+    status = comparison.get("status")
+    if status == "inputs-changed":
+        return "inputs≠"
+    if status == "missing":
+        return "new" if comparison.get("baseline_value") is None else "-"
+    text = format_change(comparison.get("change"))
+    return text + " ✗" if status == "regressed" else text
+
+
+def baseline_notes(results: Sequence[GateResult]) -> list[str]:
+    """One line per gate whose baseline comparison needs a reader's attention (regressed, inputs changed)."""
+    lines = []
+    for r in results:
+        comparison = _baseline(r)
+        if comparison and comparison.get("status") in ("regressed", "inputs-changed"):
+            lines.append(f"  {r.nodeid} [{r.marker}] baseline: {comparison.get('message', '')}")
+    return lines
+
+
 def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[str, dict[str, bool]]]:
-    """Rows as (text, markup) pairs, grouped under their test file; the verdict carries the colour."""
-    head = ("test", "metric", "value", "bound", "threshold", "verdict")
+    """Rows as (text, markup) pairs, grouped under their test file; the verdict carries the colour.
+
+    A ``change`` column (before the verdict) appears when any gate has a baseline comparison.
+    """
+    with_change = any(_baseline(r) is not None for r in results)
+    head: tuple[str, ...] = ("test", "metric", "value", "bound", "threshold")
+    head += ("change", "verdict") if with_change else ("verdict",)
+    n = len(head)
     cells = []
     for r in results:
         verdict, markup = VERDICTS.get(r.status, (r.status.upper(), {}))
         threshold = f"{'≥' if r.op == '>=' else '≤'} {format_number(r.threshold)}"
         path, _, name = r.nodeid.partition("::")
-        cells.append((path, ("  " + (name or path), r.marker, format_number(r.value), format_number(r.bound),
-                             threshold, verdict), markup))
-    fixed = [max(len(head[i]), *(len(row[i]) for _, row, _ in cells)) for i in range(1, 6)]
+        row: tuple[str, ...] = ("  " + (name or path), r.marker, format_number(r.value), format_number(r.bound),
+                                threshold)
+        row += (change_cell(_baseline(r)), verdict) if with_change else (verdict,)
+        cells.append((path, row, markup))
+    fixed = [max(len(head[i]), *(len(row[i]) for _, row, _ in cells)) for i in range(1, n)]
     # Test names are never cut (a reader must find the test); only pathological ones are.
-    room = max(width - sum(fixed) - 2 * 5 - 1, 100)
+    room = max(width - sum(fixed) - 2 * (n - 1) - 1, 100)
     widths = [min(max(len(head[0]), *(len(row[0]) for _, row, _ in cells)), room), *fixed]
 
     def line(row: Sequence[str]) -> str:
         first = _shorten(row[0], widths[0]).ljust(widths[0])
-        rest = [row[1].ljust(widths[1]), *(c.rjust(w) for c, w in zip(row[2:5], widths[2:5])), row[5]]
+        rest = [row[1].ljust(widths[1]), *(c.rjust(w) for c, w in zip(row[2:n - 1], widths[2:n - 1])), row[n - 1]]
         return "  ".join([first, *rest])
 
     out: list[tuple[str, dict[str, bool]]] = [(line(head), {"bold": True})]

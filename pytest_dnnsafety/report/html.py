@@ -1,0 +1,516 @@
+"""The HTML report (``--dnnsafety-html=PATH``): one self-contained page per run for a reviewer.
+
+The page is rendered from the evidence dict that :func:`~pytest_dnnsafety.report.evidence.build_evidence`
+builds (the same dict the JSON evidence file holds), so the page and the JSON can never disagree,
+and nothing is recomputed. It holds:
+
+* the verdict of the run first (a banner), then the count of gates by verdict;
+* the run's header: versions, device, seed, workers, created time, the configured inputs and their
+  sha256 digests, and the tests whose gates were lost;
+* an index of the gates (failing ones first) linking to one card per gate: verdict with its colour,
+  the compared number (the bound when there is one) against the threshold and operator, the
+  summary line, the baseline comparison (``gate["baseline"]``, when present), the inputs the gate
+  read with their origin and fingerprints (``gate["inputs"]``), plots, and the details as a
+  collapsible table (nested values as JSON);
+* plots, only where the engine put the data for them in ``details``:
+  ``pair_grids`` (scenario coverage: a heat map per pair of conditions, covered / below
+  ``min_count`` / uncovered / infeasible, annotated with the row counts), ``per_neuron_coverage``
+  (neuron k-activation: one bar per neuron) and ``cells_plot`` (pmi: failure rate against the
+  cell's probability mass, log scale, coloured by cell type).
+
+Self-contained: the plots are inline SVG (matplotlib, Agg backend, text as ``<text>``, the XML
+prologue and namespace URLs removed, ids made unique per plot), styles and the small script are
+inline, and a Content-Security-Policy forbids every network load (``default-src 'none'``), so a
+stray external reference would show as a console error rather than a silent fetch. All text from
+the run (node ids, summaries, condition names and values, details) is escaped: jinja2's
+autoescaping for the page, matplotlib's XML writer (with mathtext off) for the plots.
+
+jinja2 and matplotlib are the optional extra ``pytest-dnnsafety[html]``; they are imported only
+when a page is written or its path is checked. A plot that cannot be drawn from malformed details
+becomes a note on its card; it never costs the page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import ConfigError
+from ..results import STATUSES
+
+__all__ = ["EXTRA_MESSAGE", "require_html_extra", "check_html_path", "render_html", "write_html", "VERDICT_ORDER"]
+
+EXTRA_MESSAGE = "--dnnsafety-html needs the optional extra: pip install 'pytest-dnnsafety[html]'"
+
+#: status -> (verdict text, css class); the order of the page's index and cards: worst first.
+VERDICTS = {
+    "failed": ("FAIL", "failed"),
+    "error": ("ERROR", "error"),
+    "inconclusive": ("INCONCLUSIVE", "inconclusive"),
+    "lost": ("LOST", "lost"),
+    "not-evaluated": ("NOT RUN", "not-evaluated"),
+    "passed": ("PASS", "passed"),
+}
+VERDICT_ORDER = list(VERDICTS)
+
+#: Colours of the plots (the page's CSS uses the same palette).
+_GREEN, _AMBER, _RED, _GREY = "#2da44e", "#d4a72c", "#cf222e", "#afb8c1"
+_CELL_COLOURS = {"normal": "#0969da", "empty": "#8c959f", "cross_boundary": "#cf222e"}
+
+#: Limits that keep a page readable and its size sane; the JSON evidence keeps everything.
+MAX_GRIDS = 36
+MAX_ANNOTATED_CELLS = 400
+MAX_JSON_CHARS = 200_000
+MAX_SCATTER_VECTOR = 3000  # more points than this are rasterized (an inline data: PNG inside the SVG)
+
+
+def require_html_extra() -> tuple[Any, Any]:
+    """Import jinja2 and matplotlib, or raise a ConfigError naming the extra."""
+    try:
+        import jinja2
+        import matplotlib
+    except ImportError as exc:
+        raise ConfigError(f"{EXTRA_MESSAGE} ({exc})") from None
+    return jinja2, matplotlib
+
+
+def check_html_path(path: Path) -> None:
+    """At session start: the extra is installed and ``path`` can receive the page.
+
+    Raises :class:`ConfigError` when the extra is missing, :class:`IsADirectoryError` for a folder
+    and :class:`OSError` when the folder cannot be created or written. A page left by an earlier
+    run is removed, so a crashed run leaves no page that looks current.
+    """
+    from .evidence import prepare_evidence_path
+
+    require_html_extra()
+    prepare_evidence_path(path)
+
+
+def write_html(path: Path, evidence: dict[str, Any]) -> Path:
+    """Render ``evidence`` (from ``build_evidence``) and write the page atomically to ``path``."""
+    from .evidence import write_text_atomic
+
+    return write_text_atomic(Path(path), render_html(evidence))
+
+
+# -- numbers and text -------------------------------------------------------------------------
+
+def _number(value: Any) -> float | None:
+    """A float from an evidence number (non-finite ones are strings there), else None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    number = _number(value)
+    if number is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(number):
+        return str(number)
+    if number != 0 and (abs(number) < 1e-3 or abs(number) >= 1e5):
+        return f"{number:.3e}"
+    return f"{number:.3f}"
+
+
+def _json(value: Any) -> str:
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False, default=str)
+    if len(text) > MAX_JSON_CHARS:
+        text = text[:MAX_JSON_CHARS] + f"\n… ({len(text) - MAX_JSON_CHARS:,} more characters in the JSON evidence)"
+    return text
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+# -- plots ------------------------------------------------------------------------------------
+
+_SVG_HEAD = re.compile(r"^.*?(?=<svg\b)", re.S)
+_ID = re.compile(r'\bid="([^"]+)"')
+_REF = re.compile(r'url\(#([^)]+)\)')
+_HREF = re.compile(r'\b(?:xlink:)?href="#([^"]+)"')
+_SIZE = re.compile(r'<svg\b([^>]*?)\swidth="([\d.]+)pt"\s+height="([\d.]+)pt"')
+
+
+def _svg(fig: Any, prefix: str) -> str:
+    """The figure as inline SVG: no prologue, no namespace URLs, ids unique to this plot."""
+    import io
+
+    import matplotlib
+
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": prefix}):
+        fig.savefig(buffer, format="svg", bbox_inches="tight",
+                    metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    text = _SVG_HEAD.sub("", buffer.getvalue(), count=1)
+    text = re.sub(r'\sxmlns(:\w+)?="[^"]*"', "", text)
+    text = _ID.sub(lambda m: f'id="{prefix}-{m.group(1)}"', text)
+    text = _REF.sub(lambda m: f"url(#{prefix}-{m.group(1)})", text)
+    text = _HREF.sub(lambda m: f'href="#{prefix}-{m.group(1)}"', text)
+    text = _SIZE.sub(lambda m: f'<svg{m.group(1)} width="{float(m.group(2)) * 4 / 3:.0f}" '
+                               f'height="{float(m.group(3)) * 4 / 3:.0f}" style="max-width:100%;height:auto" role="img"',
+                     text, count=1)
+    return text.strip()
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=96, layout="constrained")
+
+
+def _short(text: Any, width: int = 18) -> str:
+    text = str(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _pair_grid(grid: dict[str, Any], min_count: int, prefix: str) -> tuple[str, str]:
+    import numpy as np
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Patch
+
+    conditions = [str(c) for c in grid["conditions"]]
+    rows, cols = [list(v) for v in grid["values"]]
+    counts = np.asarray(grid["counts"], dtype=float)
+    if len(conditions) != 2 or counts.shape != (len(rows), len(cols)) or counts.size == 0:
+        raise ValueError(f"counts of shape {counts.shape} do not match {len(rows)}×{len(cols)} values")
+    # categories: 0 infeasible, 1 uncovered, 2 hit but below min_count, 3 covered
+    category = np.where(counts < 0, 0, np.where(counts == 0, 1, np.where(counts < min_count, 2, 3)))
+    fig = _figure(min(1.4 + 0.55 * len(cols), 11), min(1.3 + 0.4 * len(rows), 9))
+    ax = fig.subplots()
+    cmap = ListedColormap([_GREY, _RED, _AMBER, _GREEN])
+    ax.pcolormesh(category, cmap=cmap, norm=BoundaryNorm([-0.5, 0.5, 1.5, 2.5, 3.5], cmap.N),
+                  edgecolors="white", linewidth=1.5)
+    ax.set_xticks(np.arange(len(cols)) + 0.5, [_short(c) for c in cols],
+                  rotation=45 if any(len(str(c)) > 4 for c in cols) else 0, ha="right" if len(cols) > 1 else "center")
+    ax.set_yticks(np.arange(len(rows)) + 0.5, [_short(r) for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(conditions[1])
+    ax.set_ylabel(conditions[0])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if counts.size <= MAX_ANNOTATED_CELLS:
+        for (i, j), count in np.ndenumerate(counts):
+            label = "×" if count < 0 else f"{int(count)}"
+            ax.text(j + 0.5, i + 0.5, label, ha="center", va="center", fontsize=8,
+                    color="#24292f" if category[i, j] in (0, 2) else "white")
+    present = sorted(set(category.ravel().tolist()))
+    names = {0: "infeasible (×)", 1: "uncovered (0 rows)", 2: f"below min_count={min_count}",
+             3: f"covered (≥ {min_count} row{'s' if min_count != 1 else ''})"}
+    colours = {0: _GREY, 1: _RED, 2: _AMBER, 3: _GREEN}
+    fig.legend(handles=[Patch(color=colours[c], label=names[c]) for c in present], loc="outside lower center",
+               ncols=min(len(present), 2), fontsize=7, frameon=False)
+    feasible = int((counts >= 0).sum())
+    covered = int((category == 3).sum())
+    title = f"{conditions[0]} × {conditions[1]}: {covered}/{feasible} feasible cells covered"
+    # the title is the figure caption on the page
+    return title, _svg(fig, prefix)
+
+
+def _neuron_bars(values: list[Any], prefix: str, overall: float | None) -> tuple[str, str]:
+    import numpy as np
+
+    data = np.asarray([_number(v) if _number(v) is not None else np.nan for v in values], dtype=float)
+    if data.ndim != 1 or data.size == 0:
+        raise ValueError("per_neuron_coverage is not a non-empty list of numbers")
+    fig = _figure(min(3 + 0.09 * data.size, 11), 2.8)
+    ax = fig.subplots()
+    x = np.arange(data.size)
+    colours = np.where(data >= 0.75, _GREEN, np.where(data >= 0.25, _AMBER, _RED))
+    if data.size <= 512:
+        ax.bar(x, np.nan_to_num(data), width=0.85, color=colours)
+    else:
+        ax.fill_between(x, np.nan_to_num(data), step="mid", color="#0969da", alpha=0.7)
+    if overall is not None and math.isfinite(overall):
+        ax.axhline(overall, color="#24292f", linestyle="--", linewidth=1, label=f"gate value {overall:.3f}")
+        ax.legend(loc="upper right", fontsize=7, frameon=False)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlim(-0.7, data.size - 0.3)
+    ax.set_xlabel("neuron")
+    ax.set_ylabel("k-activation coverage")
+    ax.spines[["top", "right"]].set_visible(False)
+    low = int((data < 0.25).sum())
+    title = f"coverage per neuron ({data.size} neurons, min {np.nanmin(data):.2f}, {low} below 0.25)"
+    # the title is the figure caption on the page
+    return title, _svg(fig, prefix)
+
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _decade(value: float, _position: Any = None) -> str:
+    if value <= 0 or not math.isfinite(value):
+        return ""
+    exponent = math.log10(value)
+    if abs(exponent - round(exponent)) > 1e-9:
+        return f"{value:g}"
+    return "1" if round(exponent) == 0 else "10" + str(int(round(exponent))).translate(_SUPERSCRIPT)
+
+
+def _cells_scatter(plot: dict[str, Any], prefix: str) -> tuple[str, str]:
+    import numpy as np
+
+    mass = np.asarray([_number(v) if _number(v) is not None else np.nan for v in plot["mass"]], dtype=float)
+    rate = np.asarray([_number(v) if _number(v) is not None else np.nan for v in plot["failure_rate"]], dtype=float)
+    kinds = [str(t) for t in plot.get("type") or ["cell"] * len(mass)]
+    if not (len(mass) == len(rate) == len(kinds)) or len(mass) == 0:
+        raise ValueError(f"mass, failure_rate and type differ in length ({len(mass)}, {len(rate)}, {len(kinds)})")
+    shown = np.isfinite(mass) & np.isfinite(rate) & (mass > 0)
+    fig = _figure(6.2, 3.4)
+    ax = fig.subplots()
+    kind_array = np.asarray(kinds)
+    fallback = iter(["#8250df", "#bf3989", "#1b7c83", "#953800"])
+    for kind in dict.fromkeys(kinds):
+        pick = shown & (kind_array == kind)
+        if not pick.any():
+            continue
+        colour = _CELL_COLOURS.get(kind) or next(fallback, "#24292f")
+        ax.scatter(mass[pick], rate[pick], s=14, alpha=0.75, color=colour, edgecolors="none",
+                   label=f"{kind} ({int(pick.sum())})", rasterized=bool(shown.sum() > MAX_SCATTER_VECTOR))
+    if shown.any():
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
+        ax.set_xscale("log")  # mathtext is off (user text is never parsed), so the decades are plain text
+        ax.xaxis.set_major_formatter(FuncFormatter(_decade))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("cell probability mass (log)")
+    ax.set_ylabel("failure rate in the cell")
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(loc="best", fontsize=7, frameon=False, title="cell type", title_fontsize=7)
+    hidden = int(len(mass) - shown.sum())
+    title = (f"failure rate vs mass of {len(mass):,} cells"
+             + (f" ({hidden} with zero or non-finite mass not shown)" if hidden else ""))
+    # the title is the figure caption on the page
+    return title, _svg(fig, prefix)
+
+
+def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], list[str]]:
+    """(plots, notes): every plot the details allow; a malformed entry becomes a note."""
+    import matplotlib  # Figure objects draw without pyplot: no GUI backend is ever selected
+
+    plots: list[dict[str, str]] = []
+    notes: list[str] = []
+
+    def attempt(what: str, draw: Any) -> None:
+        try:
+            title, svg = draw()
+        except Exception as exc:  # a report must not die on one malformed plot
+            notes.append(f"{what}: not drawn ({type(exc).__name__}: {exc})")
+        else:
+            plots.append({"kind": what, "title": title, "svg": svg})
+
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False, "font.size": 8,
+                                "axes.titlesize": 9}):
+        grids = details.get("pair_grids")
+        if isinstance(grids, list):
+            min_count = details.get("min_count", 1)
+            min_count = min_count if isinstance(min_count, int) and not isinstance(min_count, bool) else 1
+            for n, grid in enumerate(grids[:MAX_GRIDS]):
+                attempt("pair_grids", lambda grid=grid, n=n: _pair_grid(grid, max(min_count, 1), f"g{index}p{n}"))
+            if len(grids) > MAX_GRIDS:
+                notes.append(f"pair_grids: {len(grids) - MAX_GRIDS} more pairs not drawn (see per_subset in the details)")
+        if isinstance(details.get("per_neuron_coverage"), list):
+            overall = _number(details.get("value"))
+            attempt("per_neuron_coverage",
+                    lambda: _neuron_bars(details["per_neuron_coverage"], f"g{index}n", overall))
+        if isinstance(details.get("cells_plot"), dict):
+            attempt("cells_plot", lambda: _cells_scatter(details["cells_plot"], f"g{index}c"))
+    return plots, notes
+
+
+# -- the page ---------------------------------------------------------------------------------
+
+_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot")
+
+
+def _inputs(inputs: Any) -> list[dict[str, Any]]:
+    """A gate's inputs as rows: role, fixture, origin lines, type, digest, other facts."""
+    rows = []
+    for role, record in (inputs or {}).items():
+        if not isinstance(record, dict):
+            rows.append({"role": role, "fixture": "", "origin": [str(record)], "type": "", "digest": None,
+                         "facts": []})
+            continue
+        origin = record.get("origin") or {}
+        lines: list[str] = []
+        if isinstance(origin, dict):
+            kind = origin.get("kind", "")
+            scope = origin.get("scope")
+            lines.append(f"{kind}" + (f" ({scope} scope)" if scope else ""))
+            for name, setting in (origin.get("settings") or {}).items():
+                if isinstance(setting, dict):
+                    text = f"{setting.get('setting', name)} = {setting.get('spec', '')}"
+                    if setting.get("source"):
+                        text += f" — from {setting['source']}"
+                    if setting.get("sha256"):
+                        text += f" — file {setting['sha256']}"
+                    lines.append(text)
+            where = [str(origin[k]) for k in ("file", "line") if origin.get(k) is not None]
+            if where:
+                lines.append(":".join(where) + (f" {origin['function']}" if origin.get("function") else ""))
+            for key, value in origin.items():
+                if key not in ("kind", "scope", "settings", "file", "line", "function"):
+                    lines.append(f"{key}: {value if _scalar(value) else json.dumps(value, default=str)}")
+        else:
+            lines.append(str(origin))
+        facts = [f"{k}: {_fmt(v) if _scalar(v) else json.dumps(v, default=str)}" for k, v in record.items()
+                 if k not in ("fixture", "origin", "type", "digest")]
+        rows.append({"role": role, "fixture": record.get("fixture", ""), "origin": lines,
+                     "type": record.get("type", ""), "digest": record.get("digest"), "facts": facts})
+    return rows
+
+
+def _gauge(gate: dict[str, Any]) -> dict[str, float] | None:
+    """Positions (in %) of the compared number and the threshold on a 0..1 scale, if both lie there."""
+    compared = _number(gate.get("bound")) if gate.get("bound") is not None else _number(gate.get("value"))
+    threshold = _number(gate.get("threshold"))
+    if compared is None or threshold is None or not (0 <= compared <= 1 and 0 <= threshold <= 1):
+        return None
+    return {"value": round(compared * 100, 2), "threshold": round(threshold * 100, 2)}
+
+
+def _traceback(value: Any) -> str | None:
+    if not value:
+        return None
+    if isinstance(value, list):
+        return "\n".join(str(line).rstrip("\n") for line in value)
+    return str(value)
+
+
+def _card(gate: dict[str, Any], index: int) -> dict[str, Any]:
+    status = str(gate.get("status", ""))
+    verdict, css = VERDICTS.get(status, (status.upper() or "?", "unknown"))
+    details = gate.get("details") if isinstance(gate.get("details"), dict) else {}
+    plots, notes = _plots(details, index)
+    op = gate.get("op")
+    symbol = {">=": "≥", "<=": "≤"}.get(op, op or "")
+    has_bound = gate.get("bound") is not None
+    compared = gate.get("bound") if has_bound else gate.get("value")
+    path, _, name = str(gate.get("nodeid", "")).partition("::")
+    problem = None
+    if status in ("error", "not-evaluated", "lost", "inconclusive"):
+        problem = {k: details[k] for k in ("error_type", "error", "reason", "violations", "traceback")
+                   if details.get(k) not in (None, "", [])}
+    scalars = [(k, _fmt(v)) for k, v in details.items() if _scalar(v) and k not in ("traceback",)]
+    nested = [(k, _json(v)) for k, v in details.items() if not _scalar(v) and k not in _PLOTTED]
+    plotted = [(k, _json(details[k])) for k in _PLOTTED if k in details]
+    baseline = gate.get("baseline") if isinstance(gate.get("baseline"), dict) else None
+    return {
+        "anchor": f"gate-{index}",
+        "status": status,
+        "verdict": verdict,
+        "css": css,
+        "nodeid": gate.get("nodeid", ""),
+        "path": path,
+        "name": name or path,
+        "marker": gate.get("marker", ""),
+        "metric": gate.get("metric", ""),
+        "op": symbol,
+        "value": _fmt(gate.get("value")),
+        "bound": _fmt(gate.get("bound")) if has_bound else None,
+        "compared": _fmt(compared),
+        "compared_what": "bound" if has_bound else "value",
+        "threshold": _fmt(gate.get("threshold")),
+        "summary": gate.get("summary", ""),
+        "seconds": _fmt(gate.get("seconds")),
+        "device": gate.get("device", ""),
+        "gauge": _gauge(gate),
+        "problem": problem,
+        "traceback": _traceback(details.get("traceback")),
+        "baseline": None if baseline is None else {
+            "status": baseline.get("status", ""),
+            "rows": [(k, _fmt(baseline.get(k))) for k in ("baseline_value", "change", "limit")
+                     if k in baseline],
+            "message": baseline.get("message", ""),
+            "other": [(k, _fmt(v) if _scalar(v) else json.dumps(v, default=str)) for k, v in baseline.items()
+                      if k not in ("status", "baseline_value", "change", "limit", "message")],
+        },
+        "inputs": _inputs(gate.get("inputs")),
+        "plots": plots,
+        "plot_notes": notes,
+        "scalars": scalars,
+        "nested": nested,
+        "plotted": plotted,
+    }
+
+
+def _ordered(gates: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    rank = {s: i for i, s in enumerate(VERDICT_ORDER)}
+    indexed = list(enumerate(gates))
+    return sorted(indexed, key=lambda pair: (rank.get(pair[1].get("status"), -1), pair[0]))
+
+
+def render_html(evidence: dict[str, Any]) -> str:
+    """The page for ``evidence`` as a string (see the module docstring)."""
+    jinja2, _ = require_html_extra()
+    template_text = resources.files(__package__).joinpath("templates", "report.html.j2").read_text("utf-8")
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True)
+    env.filters["fmt"] = _fmt
+    template = env.from_string(template_text)
+
+    gates = [g for g in evidence.get("gates", []) if isinstance(g, dict)]
+    cards = [_card(gate, index) for index, gate in _ordered(gates)]
+    summary = evidence.get("summary") or {}
+    counts = [{"status": s, "verdict": VERDICTS[s][0], "css": VERDICTS[s][1],
+               "count": summary.get(s, sum(g.get("status") == s for g in gates))} for s in VERDICT_ORDER]
+    total = summary.get("total", len(gates))
+    bad = [c for c in counts if c["status"] != "passed" and c["count"]]
+    lost = list(evidence.get("lost") or [])
+    if not gates:
+        overall = ("NO GATES", "not-evaluated", "the run recorded no gate")
+    elif bad or lost:
+        overall = ("FAILED", "failed", ", ".join(f"{c['count']} {c['verdict'].lower()}" for c in bad)
+                   + f" of {total} gate{'s' if total != 1 else ''}; only PASS passes")
+    else:
+        overall = ("PASSED", "passed", f"all {total} gate{'s' if total != 1 else ''} passed")
+
+    env_info = dict(evidence.get("environment") or {})
+    env_inputs = env_info.pop("inputs", {}) or {}
+    inputs_note = env_info.pop("inputs_note", None)
+    header_keys = ("pytest_dnnsafety", "torch", "numpy", "pytest", "python", "platform", "device", "seed",
+                   "workers", "cwd")
+    header = [(k, env_info.pop(k)) for k in header_keys if k in env_info]
+    header += [(k, v if _scalar(v) else json.dumps(v, default=str)) for k, v in env_info.items()]
+    run_inputs = []
+    for role, record in env_inputs.items():
+        record = record if isinstance(record, dict) else {"spec": record}
+        run_inputs.append({"role": role, "spec": record.get("spec", ""), "source": record.get("source", ""),
+                           "path": record.get("path"), "digest": record.get("digest"),
+                           "other": [f"{k}: {v}" for k, v in record.items()
+                                     if k not in ("spec", "source", "path", "digest")]})
+    return template.render(
+        schema=evidence.get("schema", ""),
+        created=evidence.get("created", ""),
+        overall={"text": overall[0], "css": overall[1], "why": overall[2]},
+        counts=counts,
+        total=total,
+        header=header,
+        version=env_info.get("pytest_dnnsafety") or dict(header).get("pytest_dnnsafety", ""),
+        run_inputs=run_inputs,
+        inputs_note=inputs_note,
+        lost=lost,
+        cards=cards,
+        statuses=STATUSES,
+    )
