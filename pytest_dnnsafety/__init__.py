@@ -20,6 +20,7 @@ from .results import GateResult, Measurement
 if TYPE_CHECKING:  # pragma: no cover
     from .gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
     from .hookspecs import hookimpl
+    from .outputs import ForwardGuard
     from .activations import ActivationCache, capture
     from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
     from .engines.reliability import ReliabilityResult, assess_reliability
@@ -44,6 +45,7 @@ __all__ = [
     "GateContext",
     "GateRegistry",
     "hookimpl",
+    "ForwardGuard",
     "Conditions",
     "ScenarioTable",
     "CoverageResult",
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "ForwardGuard": ".outputs",
     # the gate-writing API (no torch; imported on first use so `import pytest_dnnsafety` stays light)
     "GateDef": ".gates.core",
     "Param": ".gates.core",

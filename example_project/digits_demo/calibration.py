@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pytest_dnnsafety import GateContext, GateDef, GateRegistry, GateSpec, Measurement, MetricError, Param, hookimpl
+from pytest_dnnsafety import (ForwardGuard, GateContext, GateDef, GateRegistry, GateSpec, Measurement, MetricError, Param,
+                              hookimpl)
 
 __all__ = ["MAX_CALIBRATION_ERROR", "expected_calibration_error"]
 
@@ -36,17 +37,22 @@ def expected_calibration_error(model: Any, data: Any, *, bins: int = 15, batch_s
     confidence = torch.zeros(bins, dtype=torch.float64, device=device)
     correct = torch.zeros(bins, dtype=torch.float64, device=device)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
+    # The plugin's guard: a model that raises, returns the wrong shape or NaN/inf is an error, never a score.
+    guard = ForwardGuard("max_calibration_error: model on the evaluation data")
     with torch.no_grad():
         for batch in loader:
             if len(batch) < 2:
                 raise MetricError("the calibration error needs labelled data (x, y). Fix: give a dataset with labels")
             x, y = batch[0].to(device), batch[1].to(device)
-            probs = torch.softmax(model(x).double(), dim=1)
+            probs = torch.softmax(guard(model, x).double(), dim=1)
             conf, pred = probs.max(dim=1)
-            index = (conf * bins).long().clamp(max=bins - 1)  # bin b holds confidences in [b/bins, (b+1)/bins)
+            # bin b holds confidences in [b/bins, (b+1)/bins); NaN goes to bin 0 only to keep the loop well-defined:
+            # guard.check() after the loop refuses such outputs
+            index = (conf.nan_to_num(0.0) * bins).long().clamp(0, bins - 1)
             counts.index_add_(0, index, torch.ones_like(conf))
             confidence.index_add_(0, index, conf)
             correct.index_add_(0, index, (pred == y).double())
+    guard.check()  # one host sync, after the loop: names the first batch with NaN/inf outputs
     n = counts.sum()
     if n.item() == 0:
         raise MetricError("the evaluation data is empty; the calibration error needs at least one sample")
