@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from _timing import engine_seconds as best_seconds
 
 from pytest_dnnsafety.engines import NeuronKActivationEngine
 
@@ -51,18 +52,6 @@ def engine_k_activation(acts: torch.Tensor, k: int) -> int:
     return engine.compute().covered
 
 
-def _engine_seconds(benchmark, fn) -> float:
-    """The benchmark's best round; timed here (best of 3) when benchmarks are disabled."""
-    stats = getattr(benchmark, "stats", None)
-    if stats is not None:
-        return float(stats.stats.min)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bench_k_activation_vs_naive(benchmark, case: str) -> None:
@@ -71,7 +60,7 @@ def test_bench_k_activation_vs_naive(benchmark, case: str) -> None:
     covered = benchmark.pedantic(engine_k_activation, args=(acts, k), rounds=3, iterations=1, warmup_rounds=1)
     total = math.comb(n_neurons, k) * 2**k
     assert 0 < covered <= total
-    engine_seconds = _engine_seconds(benchmark, lambda: engine_k_activation(acts, k))
+    engine_seconds = best_seconds(benchmark, lambda: engine_k_activation(acts, k))
 
     sample = acts[:naive_inputs, :naive_neurons]
     on_rows = (sample > 0).to(torch.int64).tolist()

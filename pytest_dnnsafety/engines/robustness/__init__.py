@@ -1,0 +1,28 @@
+"""Robustness engines: perturbation families, adversarial confidence loss, certified bounds.
+
+* :mod:`.attacks` — FGSM and PGD under L∞ and L2 (one forward and one backward per step and batch);
+* :mod:`.perturbations` — the perturbation families (attacks and natural perturbations) and
+  :func:`make_family`; a user family is any callable ``(model, x, y, eps, generator) -> x'``;
+* :mod:`.confidence` — the adversarial confidence loss M_adv (Cheng et al. 2018, eq. 4);
+* :mod:`.bounds` (with :mod:`.bounds_ops`, :mod:`.bounds_crown`) — sound output bounds over an
+  L∞ box by interval bound propagation and CROWN-style linear relaxation;
+* :mod:`.verification` — verified / falsified / unknown per input.
+
+Pure torch, no pytest import.
+"""
+
+from __future__ import annotations
+
+from .attacks import detect_outputs, fgsm, input_gradient, log_probs, pgd
+from .bounds import BoundedModel, UnsupportedLayerError, input_box
+from .confidence import AdversarialConfidenceEngine, AdversarialConfidenceResult, assess_adversarial_confidence
+from .perturbations import FAMILIES, Family, family_name, make_family
+from .verification import VerificationEngine, VerificationResult, verify_robustness
+
+__all__ = [
+    "fgsm", "pgd", "input_gradient", "log_probs", "detect_outputs",
+    "Family", "FAMILIES", "make_family", "family_name",
+    "AdversarialConfidenceEngine", "AdversarialConfidenceResult", "assess_adversarial_confidence",
+    "BoundedModel", "UnsupportedLayerError", "input_box",
+    "VerificationEngine", "VerificationResult", "verify_robustness",
+]

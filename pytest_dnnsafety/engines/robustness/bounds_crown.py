@@ -1,0 +1,342 @@
+"""The backward half of CROWN (Zhang et al. 2018) for :class:`~pytest_dnnsafety.engines.robustness.bounds.BoundedModel`.
+
+:class:`BoundState` holds one call's ops (from :mod:`.bounds_ops`), the IBP bounds of every node
+(Gowal et al. 2018), the tightened bounds of the inputs of the nonlinear nodes and their
+relaxations, and runs the backward linear bound propagation:
+
+* :meth:`BoundState.lower` — lower bounds of linear functions ``rows·z_t`` of a node ``t``:
+  coefficients go backward through the graph in reverse topological order (a node's consumers
+  first; residual branches accumulate), through the affine ops' transposes and the nonlinear
+  ops' relaxations, and are concretised over the input box as ``A·centre − |A|·radius + bias``.
+  Rows shared by the whole batch (identity specs) first go through the affine nodes in front of
+  the nonlinearities once, for all samples ("shared phase"); then each batch chunk continues
+  with its own relaxations, bounding only the rows that are needed (gathered per sample).
+* Intermediate bounds (:meth:`BoundState._bounds`): every ReLU/max-pool input is bounded by CROWN
+  back from that node, intersected with IBP; a ReLU output's bounds are the ReLU of its input's.
+  Only neurons whose bounds can change a relaxation are bounded: IBP-unstable ReLU inputs (plus
+  the possibly-positive ones when the ReLU feeds a max-pool); a max-pool fed directly needs all.
+* A node whose only nonlinear ancestor is one ReLU fed by an affine map of the input (the second
+  layer's pre-activations) is bounded in closed form (:meth:`BoundState._one_relu_bounds`): the
+  same CROWN bounds, computed by pushing the columns of the relaxed Jacobian forward through the
+  affine layers instead of thousands of rows backward.
+* The affine nodes in front of the first nonlinearity collapse into dense Jacobians when the
+  input is small (:meth:`BoundState._dense_tail`).
+
+Memory: no coefficient tensor holds more than ``max_elements`` values (chunks over the batch and
+over the rows). Pure torch; no pytest import.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...errors import DataError
+from .bounds_ops import Op, ReluOp, ReshapeOp
+
+__all__ = ["BoundState"]
+
+#: A dense Jacobian of the affine layers before the first nonlinearity is kept when it has at most this many values.
+_DENSE_LIMIT = 1 << 22
+#: ... and the input has at most this many values.
+_DENSE_INPUTS = 4096
+
+
+class BoundState:
+    """One call's ops, IBP bounds, tightened intermediate bounds and relaxations (see the module docstring)."""
+
+    def __init__(self, ops: list[Op], out: int, x_lo: Tensor, x_hi: Tensor, max_elements: int) -> None:
+        self.ops, self.out, self.x_lo, self.x_hi = ops, out, x_lo, x_hi
+        self.max_elements = max_elements
+        self.batch = x_lo.shape[0]
+        self.centre, self.radius = (x_lo + x_hi) / 2, (x_hi - x_lo) / 2
+        n = len(self.ops)
+        self.consumers: list[list[int]] = [[] for _ in range(n)]
+        for i, op in enumerate(self.ops):
+            for j in set(op.inputs):
+                self.consumers[j].append(i)
+        self.ancestors: list[set[int]] = []
+        for i, op in enumerate(self.ops):
+            self.ancestors.append({i}.union(*(self.ancestors[j] for j in op.inputs)))
+        self.ivs: list[tuple[Tensor, Tensor]] = [(x_lo, x_hi)]
+        for op in self.ops[1:]:
+            self.ivs.append(op.ibp([self.ivs[j] for j in op.inputs]))
+        self.bounds: dict[int, tuple[Tensor, Tensor]] = {0: (x_lo, x_hi)}
+        self.relaxations: dict[int, tuple[Tensor, ...]] = {}
+        self.dense = self._dense_tail()
+
+    def _dense_tail(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Dense Jacobians ``(numel_v, n_in)`` and offsets of the affine nodes before any nonlinearity.
+
+        Fills ``self.tail`` (every such node, the input included) and returns the ones the
+        backward sweep uses (not the relayouts, whose own transpose is free).
+        """
+        self.tail: dict[int, tuple[Tensor, Tensor]] = {}
+        n_in = math.prod(self.ops[0].out_shape)
+        if n_in > _DENSE_INPUTS:
+            return {}
+        dtype, device = self.centre.dtype, self.centre.device
+        basis = {0: torch.eye(n_in, dtype=dtype, device=device).reshape(n_in, *self.ops[0].out_shape)}
+        offset = {0: torch.zeros((1, *self.ops[0].out_shape), dtype=dtype, device=device)}
+        dense: dict[int, tuple[Tensor, Tensor]] = {}
+        for i, op in enumerate(self.ops):
+            if i and (not op.linear or any(j not in basis for j in op.inputs) or op.numel * n_in > _DENSE_LIMIT):
+                continue
+            if i:
+                basis[i] = op.forward([basis[j] for j in op.inputs], bias=False)
+                offset[i] = op.forward([offset[j] for j in op.inputs])
+            self.tail[i] = (basis[i].reshape(n_in, -1).T.contiguous(), offset[i].reshape(-1))
+            if i and not isinstance(op, ReshapeOp):
+                dense[i] = self.tail[i]
+        return dense
+
+    # ------------------------------------------------------------------ specs
+    def spec(self, spec: Tensor | None) -> tuple[Tensor, bool]:
+        out_shape = self.ops[self.out].out_shape
+        n = math.prod(out_shape)
+        dtype, device = self.centre.dtype, self.centre.device
+        if spec is None:
+            return torch.eye(n, dtype=dtype, device=device).reshape(1, n, *out_shape), True
+        spec = torch.as_tensor(spec).detach().to(device=device, dtype=dtype)
+        if spec.ndim >= 2 and (tuple(spec.shape[-len(out_shape):]) == out_shape or spec.shape[-1] == n):
+            per_row = len(out_shape) if tuple(spec.shape[-len(out_shape):]) == out_shape else 1
+            lead = tuple(spec.shape[:spec.ndim - per_row])
+            if len(lead) == 1 and lead[0] > 0:  # (K, ...): shared by the batch
+                return spec.reshape(1, lead[0], *out_shape), True
+            if len(lead) == 2 and lead[0] in (1, self.batch) and lead[1] > 0:
+                return spec.reshape(lead[0], lead[1], *out_shape), lead[0] == 1
+        raise DataError(f"spec of shape {tuple(spec.shape)} does not fit {self.batch} inputs and outputs of "
+                        f"per-sample shape {out_shape}; expected (B, K, {n}) or (K, {n}).")
+
+    def spec_ibp(self, spec: Tensor) -> tuple[Tensor, Tensor]:
+        lo, hi = self.ivs[self.out]
+        c, r = ((lo + hi) / 2).flatten(1), ((hi - lo) / 2).flatten(1)
+        s = spec.flatten(2)
+        mid = torch.matmul(s, c.unsqueeze(-1)).squeeze(-1)
+        rad = torch.matmul(s.abs(), r.unsqueeze(-1)).squeeze(-1)
+        return mid - rad, mid + rad
+
+    # ------------------------------------------------------------------ intermediate bounds
+    def _ensure(self, target: int) -> None:
+        """Relaxations of every nonlinear ancestor of ``target`` (in topological order)."""
+        for i in sorted(self.ancestors[target]):
+            op = self.ops[i]
+            if op.linear or i in self.relaxations:
+                continue
+            p = op.inputs[0]
+            lo, hi = self._bounds(p)
+            self.relaxations[i] = op.relax(lo, hi)
+
+    def _bounds(self, p: int) -> tuple[Tensor, Tensor]:
+        if p in self.bounds:
+            return self.bounds[p]
+        op = self.ops[p]
+        ibp_lo, ibp_hi = self.ivs[p]
+        if isinstance(op, ReluOp):  # bounds of a ReLU's output: ReLU of its input's (tightest possible)
+            lo, hi = self._bounds(op.inputs[0])
+            result = (torch.maximum(lo.clamp(min=0), ibp_lo), torch.minimum(hi.clamp(min=0), ibp_hi))
+        elif (closed := self._one_relu_bounds(p)) is not None:
+            lo, hi = closed
+            result = (torch.maximum(lo.reshape(ibp_lo.shape), ibp_lo), torch.minimum(hi.reshape(ibp_hi.shape), ibp_hi))
+        else:
+            needed = self._needed(p)
+            n = op.numel
+            eye = torch.eye(n, dtype=ibp_lo.dtype, device=ibp_lo.device).reshape(1, n, *op.out_shape)
+            mask = None if needed is None else torch.cat([needed, needed], dim=1)
+            low = self.lower(p, torch.cat([eye, -eye], dim=1), True, mask)
+            shape = ibp_lo.shape
+            lo = torch.maximum(low[:, :n].reshape(shape), ibp_lo)
+            hi = torch.minimum(-low[:, n:].reshape(shape), ibp_hi)
+            result = (lo, hi)
+        self.bounds[p] = result
+        return result
+
+    def _one_relu_bounds(self, p: int) -> tuple[Tensor, Tensor] | None:
+        """CROWN bounds of ``p = chain(relu(v))`` with ``v = J·x + o`` affine in the input, in closed form.
+
+        With the relaxation ``sl·v ≤ relu(v) ≤ su·v + bu`` and the chain's Jacobian ``C``, CROWN's
+        lower bound is ``C·diag(sl)·v + C⁻·(diag(su − sl)·v + bu)`` (``C⁺`` for the upper bound);
+        ``C·diag(sl)·J`` is the chain applied to the columns of ``diag(sl)·J`` (a forward pass of
+        ``n_in + 1`` "inputs" per sample) and the correction runs over the unstable neurons only.
+        Returns None when ``p`` is not of that form (or the Jacobians would not fit the budget).
+        """
+        anc = self.ancestors[p]
+        nonlinear = [i for i in anc if not self.ops[i].linear]
+        if len(nonlinear) != 1 or not isinstance(self.ops[nonlinear[0]], ReluOp):
+            return None
+        r = nonlinear[0]
+        q = self.ops[r].inputs[0]
+        region = [i for i in sorted(anc) if i != r and r in self.ancestors[i]]
+        if q not in self.tail or any(j != r and j not in region for i in region for j in self.ops[i].inputs):
+            return None
+        jac, off = self.tail[q]
+        (n_r, n_in), n_p, s_r = jac.shape, self.ops[p].numel, self.ops[r].out_shape
+        widest = max(self.ops[i].numel for i in [r, *region])
+        if max(n_p, widest) * max(n_r, n_in + 1) > self.max_elements:
+            return None
+
+        def chain(x: Tensor, bias: bool) -> Tensor:
+            values = {r: x}
+            for i in region:
+                values[i] = self.ops[i].forward([values[j] for j in self.ops[i].inputs], bias=bias)
+            return values[p].reshape(x.shape[0], -1)
+
+        dtype, device = jac.dtype, jac.device
+        cmat = chain(torch.eye(n_r, dtype=dtype, device=device).reshape(n_r, *s_r), False)  # (n_r, n_p): Cᵀ
+        cbias = chain(torch.zeros((1, *s_r), dtype=dtype, device=device), True)[0]
+        sl, su, bu = (t.flatten(1) for t in self.relaxations[r])
+        d = su - sl  # non-zero exactly on the unstable neurons (and bu with it)
+        counts = (d != 0).sum(dim=1)
+        top = max(1, int(counts.max()))
+        per_sample = max((n_in + 1) * widest, n_p * top, n_p * n_in) * 4
+        step = max(1, self.max_elements // per_sample)
+        los, his = [], []
+        for b0 in range(0, self.batch, step):
+            b1 = min(self.batch, b0 + step)
+            bc = b1 - b0
+            cols = torch.cat([sl[b0:b1, :, None] * jac, (sl[b0:b1] * off)[:, :, None]], dim=2)
+            y = chain(cols.transpose(1, 2).reshape(bc * (n_in + 1), *s_r), False).reshape(bc, n_in + 1, n_p)
+            # transposed layout: coefficient matrices (Bc, n_in, n_p), rows of the input
+            g_mat, g_off = y[:, :n_in], y[:, n_in] + cbias
+            lo_mat, hi_mat, lo_off, hi_off = g_mat, g_mat, g_off, g_off
+            k = int(counts[b0:b1].max())
+            if k:
+                idx = torch.sort((d[b0:b1] != 0).to(torch.int8), dim=1, descending=True, stable=True).indices[:, :k]
+                d_u = d[b0:b1].gather(1, idx)  # zero on padding (stable neurons)
+                vec = (d_u[:, :, None] * jac[idx]).transpose(1, 2)  # (Bc, n_in, k)
+                vb = (d_u * off[idx] + bu[b0:b1].gather(1, idx)).unsqueeze(1)  # (Bc, 1, k)
+                c_u = cmat[idx]  # (Bc, k, n_p): the chain's rows for the unstable neurons
+                neg, pos = c_u.clamp(max=0), c_u.clamp(min=0)
+                lo_mat, lo_off = torch.baddbmm(g_mat, vec, neg), g_off + (vb @ neg).squeeze(1)
+                hi_mat, hi_off = torch.baddbmm(g_mat, vec, pos), g_off + (vb @ pos).squeeze(1)
+            c = self.centre[b0:b1].reshape(bc, 1, n_in)
+            rad = self.radius[b0:b1].reshape(bc, 1, n_in)
+            los.append(lo_off + (c @ lo_mat).squeeze(1) - (rad @ lo_mat.abs()).squeeze(1))
+            his.append(hi_off + (c @ hi_mat).squeeze(1) + (rad @ hi_mat.abs()).squeeze(1))
+        return torch.cat(los), torch.cat(his)
+
+    def _needed(self, p: int) -> Tensor | None:
+        """Which neurons of ``p`` (B, n) need CROWN bounds, or None for all.
+
+        A ReLU consumer needs only IBP-unstable ones; a ReLU whose output feeds a max-pool also
+        needs those that may be positive; a direct max-pool (or anything else) needs all.
+        """
+        lo, hi = (t.flatten(1) for t in self.ivs[p])
+        mask = torch.zeros_like(lo, dtype=torch.bool)
+        for c in self.consumers[p]:
+            op = self.ops[c]
+            if op.linear:
+                continue
+            if not isinstance(op, ReluOp):
+                return None
+            mask |= (lo < 0) & (hi > 0)
+            if any(not self.ops[d].linear and not isinstance(self.ops[d], ReluOp) for d in self.consumers[c]):
+                mask |= hi > 0
+        return mask
+
+    # ------------------------------------------------------------------ backward propagation
+    def lower(self, target: int, rows: Tensor, shared: bool, needed: Tensor | None = None) -> Tensor:
+        """Lower bounds ``(B, K)`` of ``rows·z_target`` (rows ``(Bs, K, *shape)``, Bs = 1 when ``shared``).
+
+        ``needed`` (B, K): bound only these rows (the others get −inf); only with shared rows.
+        """
+        self._ensure(target)
+        b, k = self.batch, rows.shape[1]
+        widest = max(self.ops[i].numel for i in self.ancestors[target])
+        budget = self.max_elements
+        k_chunk = max(1, min(k, budget // widest))
+        dtype, device = self.centre.dtype, self.centre.device
+        result = torch.full((b, k), -math.inf, dtype=dtype, device=device)
+        for k0 in range(0, k, k_chunk):
+            k1 = min(k, k0 + k_chunk)
+            if not shared:
+                b_chunk = max(1, budget // ((k1 - k0) * widest))
+                for b0 in range(0, b, b_chunk):
+                    b1 = min(b, b0 + b_chunk)
+                    pending = {target: rows[b0:b1, k0:k1]}
+                    result[b0:b1, k0:k1] = self._sweep(target, pending, None, set(), (b0, b1))
+                continue
+            pending, bias, done = {target: rows[:, k0:k1]}, None, set()
+            bias = self._sweep(target, pending, bias, done, None)
+            mask = None if needed is None else needed[:, k0:k1]
+            counts = [k1 - k0] * b if mask is None else mask.sum(dim=1).tolist()
+            b0 = 0
+            while b0 < b:
+                b1, top = b0, 0
+                while b1 < b and (b1 == b0 or max(top, counts[b1]) * (b1 + 1 - b0) * widest <= budget):
+                    top = max(top, counts[b1])
+                    b1 += 1
+                if top == 0:
+                    b0 = b1
+                    continue
+                if top == k1 - k0:  # every row: keep the shared coefficients
+                    part = dict(pending)
+                    result[b0:b1, k0:k1] = self._sweep(target, part, bias, set(done), (b0, b1))
+                else:  # gather each sample's needed rows (needed first, padded with unneeded ones)
+                    order = torch.sort(mask[b0:b1].to(torch.int8), dim=1, descending=True, stable=True).indices
+                    idx = order[:, :top]
+                    part = {j: a[0][idx] for j, a in pending.items()}
+                    part_bias = None if bias is None else bias[0][idx]
+                    low = self._sweep(target, part, part_bias, set(done), (b0, b1))
+                    valid = mask[b0:b1].gather(1, idx)
+                    low = torch.where(valid, low, torch.full_like(low, -math.inf))
+                    result[b0:b1, k0:k1] = result[b0:b1, k0:k1].scatter(1, idx, low)
+                b0 = b1
+        return result
+
+    def _sweep(self, target: int, pending: dict[int, Tensor], bias: Tensor | None, done: set[int],
+               batch: tuple[int, int] | None) -> Tensor:
+        """Propagate ``pending`` coefficients backward (reverse topological order) to the input.
+
+        ``batch=None``: the shared phase — only affine nodes whose consumers are all done; returns
+        the bias, and ``pending``/``done`` hold the frontier. Else: everything, for samples
+        ``batch[0]:batch[1]``; returns the concretised lower bounds ``(Bc, K)``.
+        """
+        anc = self.ancestors[target]
+        for i in sorted(anc, reverse=True):
+            if i == 0 or i in done:
+                continue
+            if any(c in anc and c not in done for c in self.consumers[i]) and i != target:
+                if batch is None:
+                    continue
+                raise AssertionError("reverse topological order violated")  # pragma: no cover
+            op = self.ops[i]
+            if batch is None and not op.linear:
+                continue
+            a = pending.pop(i, None)
+            done.add(i)
+            if a is None:
+                continue
+            if i in self.dense:
+                jac, off = self.dense[i]
+                flat = a.flatten(2)
+                ins, add = [torch.matmul(flat, jac).reshape(*flat.shape[:2], *self.ops[0].out_shape)], flat @ off
+                inputs: tuple[int, ...] = (0,)
+            elif op.linear:
+                ins, add = op.back(a)
+                inputs = op.inputs
+            else:
+                b0, b1 = batch  # type: ignore[misc]
+                relax = tuple(t[b0:b1] for t in self.relaxations[i])
+                a_in, add = op.back_relaxed(a, relax)
+                ins, inputs = [a_in], op.inputs
+            for j, a_j in zip(inputs, ins):
+                pending[j] = a_j if j not in pending else pending[j] + a_j
+            if add is not None:
+                bias = add if bias is None else bias + add
+        if batch is None:
+            return bias  # type: ignore[return-value]
+        b0, b1 = batch
+        k = next(iter(pending.values())).shape[1] if pending else 0
+        low = torch.zeros((b1 - b0, k), dtype=self.centre.dtype, device=self.centre.device)
+        if bias is not None:
+            low = low + bias
+        a = pending.get(0)
+        if a is not None:
+            flat = a.flatten(2)
+            c = self.centre[b0:b1].reshape(b1 - b0, -1, 1)
+            r = self.radius[b0:b1].reshape(b1 - b0, -1, 1)
+            low = low + torch.matmul(flat, c).squeeze(-1) - torch.matmul(flat.abs(), r).squeeze(-1)
+        return low

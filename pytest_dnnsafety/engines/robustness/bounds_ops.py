@@ -1,0 +1,340 @@
+"""The operations of :class:`~pytest_dnnsafety.engines.robustness.bounds.BoundedModel`: interval and linear relaxations.
+
+Each traced node of a model becomes one op over per-sample shapes (the batch is always the
+first dimension). An op knows three things:
+
+* its **interval** transfer (interval bound propagation, Gowal et al. 2018): affine ops map a
+  box in centre/radius form, ``c' = W·c + b``, ``r' = |W|·r`` (exact for one affine map);
+  monotone ops (ReLU, max-pooling) map the two corners;
+* for the affine ops, the **transpose** used by the backward linear bound propagation of CROWN
+  (Zhang et al. 2018): a coefficient tensor ``A`` of shape ``(Bs, K, *out_shape)`` (K linear
+  functions of the op's output, ``Bs`` 1 when shared by the whole batch) becomes the coefficients
+  of the op's inputs plus a bias ``(Bs, K)``; a convolution goes back through
+  ``conv_transpose2d`` (with the output padding that restores the input size), pooling through
+  its autograd vector-Jacobian product;
+* for the nonlinear ops, a sound **linear relaxation** built from bounds of the op's input and
+  used in the *lower-bound* pass (an upper bound of ``A·z`` is minus the lower bound of ``−A·z``):
+
+  - ReLU (CROWN): ``y ≤ u/(u−l)·(x−l)`` and ``y ≥ α·x`` with the adaptive slope ``α = 1`` if
+    ``u > −l`` else ``0``; stable neurons are exact (``y = x`` or ``y = 0``);
+  - max-pooling: ``y ≥ x_{j*}`` with ``j*`` the window's input of largest lower bound, and
+    ``y ≤ max_j u_j``, or ``y = x_{j*}`` exactly when ``l_{j*} ≥ u_j`` for every other ``j``.
+
+No Python loops over neurons; everything runs on the tensors' device in their dtype.
+Part of :mod:`pytest_dnnsafety.engines.robustness.bounds` (no pytest import).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Op", "LinearOp", "ConvOp", "PositiveLinearOp", "AffineOp", "SumOp", "ReshapeOp", "ReluOp",
+           "MaxPoolOp"]
+
+
+def _pos(a: Tensor) -> Tensor:
+    return a.clamp(min=0)
+
+
+def _neg(a: Tensor) -> Tensor:
+    return a.clamp(max=0)
+
+
+def _row_dot(a: Tensor, v: Tensor) -> Tensor:
+    """``Σ a·v`` over the per-row dims: ``a`` (Bs, K, *s), ``v`` (Bv, *s) or (*s) → (max(Bs, Bv), K)."""
+    flat_a = a.flatten(2)
+    if v.ndim == a.ndim - 1:  # (Bv, *s)
+        return torch.matmul(flat_a, v.reshape(v.shape[0], -1, 1)).squeeze(-1)
+    return torch.matmul(flat_a, v.reshape(-1))
+
+
+def _vjp(fn: Callable[[Tensor], Tensor], a: Tensor, in_shape: tuple[int, ...]) -> Tensor:
+    """The transpose of the linear map ``fn`` applied to the rows of ``a`` (autograd, exact)."""
+    bs, k = a.shape[:2]
+    z = torch.zeros((bs * k, *in_shape), dtype=a.dtype, device=a.device, requires_grad=True)
+    with torch.enable_grad():
+        out = fn(z)
+        (grad,) = torch.autograd.grad(out, z, a.reshape(out.shape))
+    return grad.reshape(bs, k, *in_shape)
+
+
+class Op:
+    """One node of the bound graph. ``inputs``: indices of its tensor inputs (earlier nodes)."""
+
+    linear = True
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: tuple[tuple[int, ...], ...],
+                 out_shape: tuple[int, ...]) -> None:
+        self.label = label
+        self.inputs = inputs
+        self.in_shapes = in_shapes
+        self.out_shape = out_shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.out_shape)
+
+    # affine ops ---------------------------------------------------------------------------
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        """The op on concrete inputs (``bias=False``: its linear part only)."""
+        raise NotImplementedError
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        """``|linear part|`` applied to the (non-negative) radii of the inputs."""
+        raise NotImplementedError
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        """Coefficients ``a`` (Bs, K, *out) → coefficients of each input and a bias (Bs, K) or None."""
+        raise NotImplementedError
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Interval transfer; affine ops in centre/radius form."""
+        cs = [(lo + hi) / 2 for lo, hi in ivs]
+        rs = [(hi - lo) / 2 for lo, hi in ivs]
+        c, r = self.forward(cs), self.abs_forward(rs)
+        return c - r, c + r
+
+    # nonlinear ops ------------------------------------------------------------------------
+    def relax(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def back_relaxed(self, a: Tensor, relax: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+
+class LinearOp(Op):
+    """``nn.Linear`` on the last dimension."""
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any, weight: Tensor,
+                 bias: Tensor | None) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.weight, self.bias = weight, bias
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return F.linear(xs[0], self.weight, self.bias if bias else None)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return F.linear(rs[0], self.weight.abs())
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        bias = None
+        if self.bias is not None:
+            bias = torch.matmul(a, self.bias).reshape(a.shape[0], a.shape[1], -1).sum(-1)
+        return [torch.matmul(a, self.weight)], bias
+
+
+class ConvOp(Op):
+    """``nn.Conv2d`` (any stride, padding, dilation, groups; zeros padding)."""
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 module: torch.nn.Conv2d) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.weight, self.bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+        self.stride, self.padding = module.stride, module.padding
+        self.dilation, self.groups = module.dilation, module.groups
+        self.output_padding: tuple[int, int] | None = None
+        if not isinstance(self.padding, str):
+            _, h, w = in_shapes[0]
+            kh, kw = self.weight.shape[2:]
+            pads = []
+            for size, out, k, s, p, d in zip((h, w), out_shape[1:], (kh, kw), self.stride, self.padding,
+                                             self.dilation):
+                pads.append(size - ((out - 1) * s - 2 * p + d * (k - 1) + 1))
+            self.output_padding = (pads[0], pads[1])
+
+    def _conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return self._conv(xs[0], self.weight, self.bias if bias else None)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self._conv(rs[0], self.weight.abs(), None)
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        bs, k = a.shape[:2]
+        in_shape = self.in_shapes[0]
+        if self.output_padding is None:  # padding="same"/"valid": autograd transpose
+            out = _vjp(lambda z: self._conv(z, self.weight, None), a, in_shape)
+        else:
+            flat = a.reshape(bs * k, *self.out_shape)
+            out = F.conv_transpose2d(flat, self.weight, None, self.stride, self.padding, self.output_padding,
+                                     self.groups, self.dilation).reshape(bs, k, *in_shape)
+        bias = None
+        if self.bias is not None:
+            bias = torch.matmul(a.sum(dim=(3, 4)), self.bias)
+        return [out], bias
+
+
+class PositiveLinearOp(Op):
+    """A linear map with non-negative coefficients and no bias (average pooling): ``f(lo) ≤ f(x) ≤ f(hi)``."""
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.fn = fn
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return self.fn(xs[0])
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self.fn(rs[0])
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        return [_vjp(self.fn, a, self.in_shapes[0])], None
+
+
+class AffineOp(Op):
+    """Elementwise ``y = scale·x + shift`` with constants broadcastable to ``(1, *shape)``.
+
+    Eval-mode batch norm (per-channel scale and shift) and arithmetic with constants
+    (``x + c``, ``c − x``, ``x·c``, ``x / c``, ``−x``).
+    """
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any, scale: Tensor,
+                 shift: Tensor) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        full = (1, *out_shape)
+        self.scale = scale.reshape((1,) * (len(full) - scale.ndim) + tuple(scale.shape))
+        self.shift = shift.reshape((1,) * (len(full) - shift.ndim) + tuple(shift.shape))
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        y = xs[0] * self.scale
+        return y + self.shift if bias else y
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return rs[0] * self.scale.abs()
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        shift = self.shift.expand(1, *self.out_shape)
+        bias = _row_dot(a, shift[0]) if bool((shift != 0).any()) else None
+        return [a * self.scale.unsqueeze(1)], bias
+
+
+class SumOp(Op):
+    """``y = α₁·x₁ + α₂·x₂`` of two bounded tensors of one shape (residual additions, ``x − y``)."""
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 coeffs: tuple[float, ...]) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.coeffs = coeffs
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return sum((c * x for c, x in zip(self.coeffs, xs)), torch.zeros((), dtype=xs[0].dtype, device=xs[0].device))
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return sum((abs(c) * r for c, r in zip(self.coeffs, rs)),
+                   torch.zeros((), dtype=rs[0].dtype, device=rs[0].device))
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        return [a if c == 1 else a * c for c in self.coeffs], None
+
+
+class ReshapeOp(Op):
+    """Flatten / view / reshape / identity / eval-mode dropout: a per-sample relayout (batch kept first)."""
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return xs[0].reshape(xs[0].shape[0], *self.out_shape)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self.forward(rs)
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        lo, hi = ivs[0]
+        return self.forward([lo]), self.forward([hi])
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        return [a.reshape(a.shape[0], a.shape[1], *self.in_shapes[0])], None
+
+
+class ReluOp(Op):
+    """ReLU with the CROWN relaxation (adaptive lower slope)."""
+
+    linear = False
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        lo, hi = ivs[0]
+        return lo.clamp(min=0), hi.clamp(min=0)
+
+    def relax(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, ...]:
+        """Per neuron ``(lower slope, upper slope, upper intercept)``: ``sl·x ≤ relu(x) ≤ su·x + bu``."""
+        active = lo >= 0
+        unstable = (lo < 0) & (hi > 0)
+        width = torch.where(unstable, hi - lo, torch.ones_like(hi))
+        su = torch.where(unstable, hi / width, active.to(hi.dtype))
+        bu = torch.where(unstable, -su * lo, torch.zeros_like(lo))
+        sl = torch.where(unstable, (hi > -lo).to(hi.dtype), active.to(hi.dtype))
+        return sl, su, bu
+
+    def back_relaxed(self, a: Tensor, relax: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        sl, su, bu = relax
+        slope = torch.where(a >= 0, sl.unsqueeze(1), su.unsqueeze(1))
+        bias = _row_dot(_neg(a), bu)
+        return a * slope, bias
+
+
+class MaxPoolOp(Op):
+    """``nn.MaxPool2d`` (floor mode) with a sound linear relaxation per window.
+
+    Lower: ``y ≥ x_{j*}``, ``j*`` = argmax of the window's lower bounds. Upper: ``y = x_{j*}`` when
+    ``l_{j*} ≥ max_{j≠j*} u_j`` (one input dominates: exact), else the constant ``max_j u_j``.
+    """
+
+    linear = False
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 module: torch.nn.MaxPool2d, device: torch.device) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.module = module
+        pair = torch.nn.modules.utils._pair
+        self.kernel, self.stride = pair(module.kernel_size), pair(module.stride or module.kernel_size)
+        self.padding, self.dilation = pair(module.padding), pair(module.dilation)
+        c, h, w = in_shapes[0]
+        index = torch.arange(c * h * w, dtype=torch.float64, device=device).reshape(1, c, h, w)
+        # (C, kk, L): flat input index of every window slot, −1 for padding
+        self.index = self._windows(index, -1.0)[0].round().to(torch.int64)
+
+    def _windows(self, x: Tensor, pad_value: float) -> Tensor:
+        """``(B, C, kh·kw, L)`` window contents (padding filled with ``pad_value``)."""
+        ph, pw = self.padding
+        if ph or pw:
+            x = F.pad(x, (pw, pw, ph, ph), value=pad_value)
+        (kh, kw), (dh, dw), (sh, sw) = self.kernel, self.dilation, self.stride
+        win = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
+        b, c, ho, wo = win.shape[:4]  # (B, C, Ho, Wo, kh, kw) → (B, C, kh·kw, Ho·Wo)
+        return win.reshape(b, c, ho * wo, kh * kw).transpose(2, 3)
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        lo, hi = ivs[0]
+        return self.module(lo), self.module(hi)
+
+    def relax(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, ...]:
+        """``(j* flat input index (B, Lout), dominated (B, Lout) bool, max upper bound (B, Lout))``."""
+        b = lo.shape[0]
+        lows = self._windows(lo, -math.inf)
+        highs = self._windows(hi, -math.inf)
+        lstar, slot = lows.max(dim=2)
+        index = self.index.unsqueeze(0).expand(b, -1, -1, -1)
+        jstar = index.gather(2, slot.unsqueeze(2)).squeeze(2)
+        others = highs.scatter(2, slot.unsqueeze(2), -math.inf).amax(dim=2)
+        dominated = lstar >= others
+        upper = highs.amax(dim=2)
+        return jstar.reshape(b, -1), dominated.reshape(b, -1), upper.reshape(b, -1)
+
+    def back_relaxed(self, a: Tensor, relax: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        jstar, dominated, upper = relax
+        bc = jstar.shape[0]
+        lam = a.flatten(2)
+        neg = _neg(lam)
+        dom = dominated.unsqueeze(1).to(lam.dtype)
+        coef = (_pos(lam) + neg * dom).expand(bc, -1, -1)
+        bias = _row_dot(neg * (1 - dom), upper)
+        k = lam.shape[1]
+        out = torch.zeros((bc, k, math.prod(self.in_shapes[0])), dtype=lam.dtype, device=lam.device)
+        out.scatter_add_(2, jstar.unsqueeze(1).expand(bc, k, -1), coef)
+        return out.reshape(bc, k, *self.in_shapes[0]), bias

@@ -1,0 +1,424 @@
+"""Perturbation families: the input transformers ``T_i(in, ε)`` of eq. (4) (Cheng et al. 2018, §II-D).
+
+Eq. (4) assumes "a list of input transformers ⟨T_1, …, T_n⟩ where … given a parameter ε
+specifying the allowed perturbation, one derives a new input in' = T_i(in, ε)", ranging "from
+simple rotation, distortion, to advanced techniques such as FGSM". A family here is a callable
+object ``family(model, x, y, eps, generator) -> x'`` working on a whole batch, with the
+attributes ``name``, ``unit`` (what ε is measured in) and ``gradient`` (needs a differentiable
+model). Users may pass any plain callable with that signature instead (:func:`family_name`
+names it).
+
+========================  ==============================  ===================================================
+family                    ε means                         x'
+========================  ==============================  ===================================================
+``gaussian_noise``        noise std. dev., input units    ``x + ε·N(0, 1)`` (seeded by ``generator``)
+``brightness``            shift, input units              ``x + ε`` or ``x − ε``, the worse of the two
+``contrast``              relative contrast change        ``m + (x − m)·(1 ± ε)``, ``m`` the input's mean,
+                                                          the worse of the two
+``blur``                  Gaussian sigma, pixels          Gaussian blur (separable, reflect padding)
+``rotation``              angle, degrees                  rotation by ``+ε`` or ``−ε`` about the centre
+                                                          (bilinear, filled with ``clip[0]`` or 0), worse
+``translation``           shift, pixels (sub-pixel ok)    shift right/left/down/up by ε (bilinear, filled
+                                                          like rotation), the worst of four
+``occlusion``             patch side / shorter side       a square patch of side ``max(1, round(ε·min(H,W)))``
+                                                          filled with ``clip[0]`` or 0 at up to 3×3
+                                                          positions, the worst of them
+``fgsm`` / ``fgsm_l2``    L∞ / L2 radius, input units     :func:`~.attacks.fgsm`
+``pgd`` / ``pgd_l2``      L∞ / L2 radius, input units     :func:`~.attacks.pgd` (10 steps, random start)
+========================  ==============================  ===================================================
+
+"The worse/worst of k candidates" is decided per input by one forward pass of all k·N
+candidates stacked as one batch (:func:`worst_of`): the candidate with the lowest true-class
+log-probability wins, which is the transformer eq. (4)'s ``min`` would pick. The spatial families
+(blur, rotation, translation, occlusion) need images ``(N, C, H, W)`` (or ``(N, H, W)``). Every
+output is clamped to ``clip`` when one is given. All families are batched, pure torch and
+deterministic given the generator.
+
+When called by the runner, families also receive ``guard=`` (a ForwardGuard every model query
+goes through) and ``outputs=`` (the detected output kind); called alone, a family uses its own
+guard (checked at the end of the call) and its constructor's ``outputs``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...errors import ConfigError, MetricError
+from ...outputs import ForwardGuard
+from .attacks import OUTPUTS, check_clip, _check_outputs, _draw, _is_real, detect_outputs, fgsm, log_probs, pgd
+
+__all__ = [
+    "FAMILIES",
+    "FGSM",
+    "FGSML2",
+    "PGD",
+    "PGDL2",
+    "Blur",
+    "Brightness",
+    "Contrast",
+    "Family",
+    "GaussianNoise",
+    "Occlusion",
+    "Rotation",
+    "Translation",
+    "family_name",
+    "make_family",
+    "worst_of",
+]
+
+
+def family_name(family: Any) -> str:
+    """A family's ``name``, a plain function's ``__name__``, else its type's name."""
+    for attr in ("name", "__name__"):
+        value = getattr(family, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(family).__name__
+
+
+def worst_of(
+    model: Any, y: Tensor, candidates: list[Tensor], outputs: str, guard: ForwardGuard
+) -> Tensor:
+    """Per input, the candidate with the lowest true-class log-probability (one forward of all k·N)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    k, n = len(candidates), candidates[0].shape[0]
+    stacked = torch.cat(candidates, dim=0)
+    with torch.no_grad():
+        out = guard(model, stacked)
+    lp = log_probs(out, outputs)
+    true = lp.gather(1, y.repeat(k).reshape(-1, 1)).reshape(k, n)
+    pick = true.argmin(dim=0)
+    return stacked.reshape(k, n, *stacked.shape[1:])[pick, torch.arange(n, device=pick.device)]
+
+
+def _images(x: Tensor, family: str) -> Tensor:
+    """``x`` as ``(N, C, H, W)``; ``(N, H, W)`` gets a channel; anything else is refused."""
+    if x.ndim == 4:
+        return x
+    if x.ndim == 3:
+        return x.unsqueeze(1)
+    raise MetricError(
+        f"perturbation family {family!r} is spatial and needs images (N, C, H, W) or (N, H, W), but the inputs have "
+        f"shape {tuple(x.shape)}. Fix: drop {family!r} for non-image data and use gaussian_noise, brightness, "
+        f"contrast or the gradient attacks (fgsm, pgd), or give the data its image shape."
+    )
+
+
+class Family:
+    """Base class of the built-in families (see the module table). Subclasses implement ``_perturb``."""
+
+    name: ClassVar[str] = "family"
+    unit: ClassVar[str] = ""
+    gradient: ClassVar[bool] = False
+    #: Spatial families need image inputs.
+    spatial: ClassVar[bool] = False
+    #: Whether the family compares candidates (then it needs to know the output kind).
+    uses_outputs: ClassVar[bool] = True
+    #: The runner passes ``guard=`` and ``outputs=`` to families saying so.
+    accepts_guard: ClassVar[bool] = True
+
+    def __init__(self, *, clip: tuple[float, float] | None = None, outputs: str = "logits") -> None:
+        self.clip = check_clip(clip)
+        if outputs != "auto":
+            _check_outputs(outputs)
+        self.outputs = outputs
+
+    @property
+    def fill(self) -> float:
+        """The value of pixels uncovered by rotation/translation and of occluding patches."""
+        return self.clip[0] if self.clip is not None else 0.0
+
+    def __call__(
+        self,
+        model: Any,
+        x: Tensor,
+        y: Tensor,
+        eps: float,
+        generator: torch.Generator | None = None,
+        *,
+        guard: ForwardGuard | None = None,
+        outputs: str | None = None,
+    ) -> Tensor:
+        if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+            raise ConfigError(f"perturbation family {self.name!r}: eps={eps!r} is not a finite non-negative number "
+                              f"({self.unit}).")
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.ndim < 2:
+            raise MetricError(f"perturbation family {self.name!r} needs a floating-point batch (N, ...), got "
+                              f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}.")
+        if self.spatial:
+            _images(x, self.name)
+        y = torch.as_tensor(y).to(device=x.device, dtype=torch.int64)
+        own = guard is None
+        if guard is None:
+            guard = ForwardGuard(f"perturbation family {self.name!r}: model on perturbed inputs")
+        outputs = outputs or self.outputs
+        if outputs == "auto" and self.uses_outputs:
+            with torch.no_grad():
+                outputs = detect_outputs(guard(model, x))
+        out = self._perturb(model, x.detach(), y, float(eps), generator, guard, outputs)
+        if own:
+            guard.check()
+        return self._clamp(out)
+
+    def _clamp(self, x: Tensor) -> Tensor:
+        return x.clamp(self.clip[0], self.clip[1]) if self.clip is not None else x
+
+    def _perturb(self, model: Any, x: Tensor, y: Tensor, eps: float, generator: torch.Generator | None,
+                 guard: ForwardGuard, outputs: str) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, clip={self.clip}, outputs={self.outputs!r})"
+
+
+# ----------------------------------------------------------------------------- natural families
+
+
+class GaussianNoise(Family):
+    """``x + ε·N(0, 1)``, independent per element, drawn with ``generator``."""
+
+    name = "gaussian_noise"
+    unit = "noise standard deviation in input units"
+    uses_outputs = False
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        return x + eps * _draw("randn", tuple(x.shape), x, generator)
+
+
+class Brightness(Family):
+    """``x ± ε``, per input the worse of the two."""
+
+    name = "brightness"
+    unit = "brightness shift in input units (L∞ radius)"
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        return worst_of(model, y, [self._clamp(x + eps), self._clamp(x - eps)], outputs, guard)
+
+
+class Contrast(Family):
+    """``m + (x − m)·(1 ± ε)`` with ``m`` each input's mean over all its elements, the worse of the two."""
+
+    name = "contrast"
+    unit = "relative contrast change (0.1 = ±10%)"
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        m = x.reshape(x.shape[0], -1).mean(dim=1).reshape((-1,) + (1,) * (x.ndim - 1))
+        up, down = m + (x - m) * (1 + eps), m + (x - m) * (1 - eps)
+        return worst_of(model, y, [self._clamp(up), self._clamp(down)], outputs, guard)
+
+
+def _gaussian_kernel(sigma: float, radius: int, like: Tensor) -> Tensor:
+    t = torch.arange(-radius, radius + 1, dtype=like.dtype, device=like.device)
+    k = torch.exp(-(t**2) / (2 * sigma**2))
+    return k / k.sum()
+
+
+class Blur(Family):
+    """Gaussian blur with ``sigma = ε`` pixels: separable depthwise conv2d, reflect padding, radius ⌈3σ⌉."""
+
+    name = "blur"
+    unit = "Gaussian sigma in pixels"
+    spatial = True
+    uses_outputs = False
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        imgs = _images(x, self.name)
+        if eps < 1e-3:  # the neighbours' weight exp(-1/(2σ²)) is 0 in float64: the identity (and no 0/0)
+            return x.clone()
+        _, c, h, w = imgs.shape
+        reach = math.ceil(3 * eps)
+        rh, rw = min(reach, h - 1), min(reach, w - 1)  # reflect padding needs pad < size
+        out = imgs
+        if rw > 0:
+            kw = _gaussian_kernel(eps, rw, imgs).reshape(1, 1, 1, -1).expand(c, 1, 1, 2 * rw + 1)
+            out = F.conv2d(F.pad(out, (rw, rw, 0, 0), mode="reflect"), kw, groups=c)
+        if rh > 0:
+            kh = _gaussian_kernel(eps, rh, imgs).reshape(1, 1, -1, 1).expand(c, 1, 2 * rh + 1, 1)
+            out = F.conv2d(F.pad(out, (0, 0, rh, rh), mode="reflect"), kh, groups=c)
+        return out.reshape(x.shape)
+
+
+def _warp(imgs: Tensor, theta: Tensor, fill: float) -> Tensor:
+    """``grid_sample`` of ``imgs`` (N, C, H, W) through the affine map ``theta`` (2, 3); outside = ``fill``."""
+    n = imgs.shape[0]
+    grid = F.affine_grid(theta.to(imgs.dtype).expand(n, 2, 3), list(imgs.shape), align_corners=False)
+    return F.grid_sample(imgs - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
+
+
+class Rotation(Family):
+    """Rotation by ``±ε`` degrees about the image centre (bilinear), per input the worse of the two."""
+
+    name = "rotation"
+    unit = "rotation angle in degrees"
+    spatial = True
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        imgs = _images(x, self.name)
+        h, w = imgs.shape[-2:]
+        candidates = []
+        for angle in (eps, -eps):
+            a = math.radians(angle)
+            cos, sin = math.cos(a), math.sin(a)
+            # rotation in pixel space, written in affine_grid's normalised coordinates (non-square safe)
+            theta = torch.tensor([[cos, -sin * h / w, 0.0], [sin * w / h, cos, 0.0]], device=x.device)
+            candidates.append(self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)))
+        return worst_of(model, y, candidates, outputs, guard)
+
+
+class Translation(Family):
+    """A shift by ε pixels right, left, down or up (bilinear, sub-pixel ok), per input the worst of four."""
+
+    name = "translation"
+    unit = "shift in pixels"
+    spatial = True
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        imgs = _images(x, self.name)
+        h, w = imgs.shape[-2:]
+        candidates = []
+        for dx, dy in ((eps, 0.0), (-eps, 0.0), (0.0, eps), (0.0, -eps)):
+            theta = torch.tensor([[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]], device=x.device)
+            candidates.append(self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)))
+        return worst_of(model, y, candidates, outputs, guard)
+
+
+def _positions(size: int, side: int) -> list[int]:
+    """Up to three evenly spread start offsets of a patch of ``side`` along an axis of ``size``."""
+    span = size - side
+    return sorted({math.floor(span * f + 0.5) for f in (0.0, 0.5, 1.0)})
+
+
+class Occlusion(Family):
+    """A square patch of side ``max(1, round(ε·min(H, W)))`` filled with ``clip[0]`` (or 0), worst of ≤ 3×3 spots."""
+
+    name = "occlusion"
+    unit = "patch side as a fraction of the shorter image side"
+    spatial = True
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        imgs = _images(x, self.name)
+        h, w = imgs.shape[-2:]
+        side = min(max(1, math.floor(eps * min(h, w) + 0.5)), h, w)
+        candidates = []
+        for top in _positions(h, side):
+            for left in _positions(w, side):
+                patched = imgs.clone()
+                patched[..., top:top + side, left:left + side] = self.fill
+                candidates.append(self._clamp(patched.reshape(x.shape)))
+        return worst_of(model, y, candidates, outputs, guard)
+
+
+# ----------------------------------------------------------------------------- attack families
+
+
+def _norm_name(norm: str) -> str:
+    return "L∞" if norm == "linf" else "L2"
+
+
+class FGSM(Family):
+    """:func:`~.attacks.fgsm` as a family (``fgsm``, or ``fgsm_l2`` with ``norm="l2"``)."""
+
+    name = "fgsm"
+    unit = "L∞ radius in input units"
+    gradient = True
+    default_norm: ClassVar[str] = "linf"
+
+    def __init__(self, *, norm: str | None = None, clip: tuple[float, float] | None = None,
+                 outputs: str = "logits") -> None:
+        super().__init__(clip=clip, outputs=outputs)
+        self.norm = _check_norm(norm or self.default_norm)
+        self.name = "fgsm" if self.norm == "linf" else "fgsm_l2"  # type: ignore[misc]
+        self.unit = f"{_norm_name(self.norm)} radius in input units"  # type: ignore[misc]
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        return fgsm(model, x, y, eps, generator, norm=self.norm, clip=self.clip, outputs=outputs, guard=guard)
+
+
+class FGSML2(FGSM):
+    """FGSM with an L2 step (``fgsm_l2``)."""
+
+    name = "fgsm_l2"
+    unit = "L2 radius in input units"
+    default_norm = "l2"
+
+
+class PGD(Family):
+    """:func:`~.attacks.pgd` as a family (``pgd``, or ``pgd_l2`` with ``norm="l2"``); 10 steps, random start."""
+
+    name = "pgd"
+    unit = "L∞ radius in input units"
+    gradient = True
+    default_norm: ClassVar[str] = "linf"
+
+    def __init__(self, *, norm: str | None = None, steps: int = 10, step_size: float | None = None,
+                 random_start: bool = True, loss: str = "ce", clip: tuple[float, float] | None = None,
+                 outputs: str = "logits") -> None:
+        super().__init__(clip=clip, outputs=outputs)
+        self.norm = _check_norm(norm or self.default_norm)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"perturbation family 'pgd': steps={steps!r} is not a non-negative integer.")
+        if step_size is not None and not (_is_real(step_size) and math.isfinite(step_size)
+                                          and step_size > 0):
+            raise ConfigError(f"perturbation family 'pgd': step_size={step_size!r} is not a finite positive number.")
+        if loss not in ("ce", "margin"):
+            raise ConfigError(f"perturbation family 'pgd': loss={loss!r} is not one of ['ce', 'margin'].")
+        self.steps, self.step_size, self.random_start, self.loss = steps, step_size, bool(random_start), loss
+        self.name = "pgd" if self.norm == "linf" else "pgd_l2"  # type: ignore[misc]
+        self.unit = f"{_norm_name(self.norm)} radius in input units"  # type: ignore[misc]
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        return pgd(model, x, y, eps, generator, norm=self.norm, steps=self.steps, step_size=self.step_size,
+                   random_start=self.random_start, clip=self.clip, outputs=outputs, loss=self.loss, guard=guard)
+
+
+class PGDL2(PGD):
+    """PGD in the L2 ball (``pgd_l2``)."""
+
+    name = "pgd_l2"
+    unit = "L2 radius in input units"
+    default_norm = "l2"
+
+
+def _check_norm(norm: str) -> str:
+    if norm not in ("linf", "l2"):
+        raise ConfigError(f"norm={norm!r} is not one of ['linf', 'l2'].")
+    return norm
+
+
+# ----------------------------------------------------------------------------- registry
+
+#: The built-in families by name.
+FAMILIES: dict[str, Callable[..., Family]] = {
+    cls.name: cls
+    for cls in (GaussianNoise, Brightness, Contrast, Blur, Rotation, Translation, Occlusion, FGSM, FGSML2, PGD, PGDL2)
+}
+
+
+def make_family(name: str, *, clip: tuple[float, float] | None = None, outputs: str = "logits",
+                **options: Any) -> Family:
+    """Build the built-in family ``name`` (see :data:`FAMILIES`) with ``clip``, ``outputs`` and its own options.
+
+    An unknown name or option is a :class:`ConfigError` listing what is known.
+    """
+    try:
+        factory = FAMILIES[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown perturbation family {name!r}; the known families are "
+                          f"{', '.join(sorted(FAMILIES))} (or pass your own callable f(model, x, y, eps, generator)).")\
+            from None
+    accepted = [p for p in inspect.signature(factory).parameters if p not in ("clip", "outputs")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"perturbation family {name!r} has no option(s) {', '.join(unknown)}; it accepts "
+                          f"{', '.join(accepted) if accepted else 'none besides clip and outputs'}.")
+    if outputs not in (*OUTPUTS, "auto"):
+        raise ConfigError(f"outputs={outputs!r} is not one of {[*OUTPUTS, 'auto']}.")
+    return factory(clip=clip, outputs=outputs, **options)
