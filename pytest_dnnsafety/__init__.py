@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .activations import ActivationCache, capture
     from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
     from .engines.reliability import ReliabilityResult, assess_reliability
+    from .engines.robustness import (AdversarialConfidenceResult, BoundedModel, VerificationResult,
+                                     assess_adversarial_confidence, make_family, verify_robustness)
     from .engines.scenario import ScenarioCoverageEngine
     from .profile import PCA, OperationalProfile
     from .scenarios import Conditions, CoverageResult, ScenarioTable
@@ -58,6 +60,12 @@ __all__ = [
     "PCA",
     "assess_reliability",
     "ReliabilityResult",
+    "make_family",
+    "assess_adversarial_confidence",
+    "AdversarialConfidenceResult",
+    "BoundedModel",
+    "verify_robustness",
+    "VerificationResult",
 ]
 
 _LAZY = {
@@ -82,6 +90,12 @@ _LAZY = {
     "PCA": ".profile",
     "assess_reliability": ".engines.reliability",
     "ReliabilityResult": ".engines.reliability",
+    "make_family": ".engines.robustness",
+    "assess_adversarial_confidence": ".engines.robustness",
+    "AdversarialConfidenceResult": ".engines.robustness",
+    "BoundedModel": ".engines.robustness",
+    "verify_robustness": ".engines.robustness",
+    "VerificationResult": ".engines.robustness",
 }
 
 

@@ -111,6 +111,9 @@ GATES = {
     "pmi": ('max_pmi_ub(1.0, cells="balls", radius=0.05, norm="linf", clip=(0, 1), max_balls=6, '
             'samples_per_cell=20, bootstrap=0, labelled_from_profile=False, accept_violated_assumptions=True)',
             "model, operational_profile, dataset"),
+    "adv": ('max_adversarial_confidence_loss(1.0, eps=0.05, families=["fgsm", "pgd", "rotation"], '
+            'budgets={"rotation": 10}, clip=(0, 1))', "model, dataset"),
+    "verified": ("min_verified_robustness(0.0, eps=0.01, clip=(0, 1))", "model, dataset"),
 }
 
 
@@ -452,6 +455,27 @@ CASES = [
          """)),
     Case("pmi_without_labels", ("pmi",), "*has no labels*",
          _npz("data/eval.npz", x=lambda a: a["x"])),
+    # ------------------------------------------------------------------ robustness
+    Case("robustness_model_logits_all_nan", ("adv", "verified"),
+         "*the model's outputs hold NaN/inf in * inputs; the first bad batch is batch 0*",
+         _model_fixture('with torch.no_grad():\n    net.classifier[3].bias.fill_(float("nan"))\nreturn net')),
+    Case("robustness_model_without_gradient", ("adv",), "*differentiable*",
+         _model_fixture("""
+             class Frozen(netmod.Net):
+                 def forward(self, x):
+                     with torch.no_grad():
+                         return super().forward(x)
+             frozen = Frozen()
+             frozen.load_state_dict(net.state_dict())
+             return frozen.eval()""")),
+    Case("robustness_unsupported_layer", ("verified",), "*layer 'classifier.4' (Sigmoid) is not supported*",
+         _model_fixture("net.classifier.append(nn.Sigmoid())\nreturn net")),
+    Case("robustness_data_outside_the_valid_range", ("adv", "verified"), "*outside*clip*",
+         _data_fixture("return x * 3 - 1, y")),
+    Case("robustness_data_without_labels", ("adv", "verified"), "*no labels*",
+         _npz("data/eval.npz", x=lambda a: a["x"])),
+    Case("robustness_torchscript_model_in_the_certified_gate", ("verified",), "*TorchScript*",
+         _model_fixture("return torch.jit.script(net)")),
     # ------------------------------------------------------------------ settings
     Case("seed_beyond_64_bits", ("kact",), "*dnnsafety_seed='100000000000000000000000'*", _ini(seed="1" + "0" * 23),
          usage_error=True),

@@ -1,6 +1,7 @@
 """Gate markers: the mechanism (:mod:`.core`, :mod:`.evaluation`) and one module per built-in family.
 
-Each family module (:mod:`.coverage`, :mod:`.neurons`, :mod:`.reliability`) is a pytest plugin that
+Each family module (:mod:`.coverage`, :mod:`.neurons`, :mod:`.reliability`,
+:mod:`.robustness`) is a pytest plugin that
 registers its gates through the ``pytest_dnnsafety_register_gates`` hook, exactly as a user's
 ``conftest.py`` or an installed plugin does. Adding a built-in family is one new module and one line
 in :data:`BUILTIN_FAMILIES`; the plugin registers every module listed there.
@@ -27,6 +28,7 @@ from .core import (  # noqa: F401  - _caller_source: the source of a register_ga
     check_where,
     in_range,
     is_finite,
+    is_interval,
     one_of,
     parse_marker,
     _caller_source,
@@ -39,7 +41,7 @@ __all__ = [
     "Param", "GateDef", "GateSpec", "GateContext", "GateRegistry", "GateDefinitionError", "GATES",
     "BUILTIN_FAMILIES", "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "parse_marker", "evaluate",
     "context_for", "register_gate", "resolve_optional", "builtin_registry", "in_range", "one_of",
-    "check_where", "is_finite",
+    "check_where", "is_finite", "is_interval",
 ]
 
 #: The built-in gate families, each a module registering its gates through the hook.
@@ -47,6 +49,7 @@ BUILTIN_FAMILIES = (
     "pytest_dnnsafety.gates.coverage",
     "pytest_dnnsafety.gates.neurons",
     "pytest_dnnsafety.gates.reliability",
+    "pytest_dnnsafety.gates.robustness",
 )
 
 

@@ -26,7 +26,7 @@ from ..results import Measurement
 __all__ = [
     "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "Param", "GateDef", "GateSpec", "GateContext",
     "GateRegistry", "GateDefinitionError", "parse_marker", "resolve_optional", "in_range", "one_of",
-    "check_where", "is_finite",
+    "check_where", "is_finite", "is_interval",
 ]
 
 
@@ -76,6 +76,16 @@ def one_of(*choices: str) -> Callable[[Any], str | None]:
 def is_finite(value: Any) -> str | None:
     """A Param check: the number is finite."""
     return None if math.isfinite(value) else f"{value!r} is not finite"
+
+
+def is_interval(value: Any) -> str | None:
+    """A Param check for a valid input range ``(low, high)`` with finite ``low < high`` (None allowed)."""
+    if value is None:
+        return None
+    if (len(value) == 2 and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                                for c in value) and value[0] < value[1]):
+        return None
+    return f"{value!r} must be (low, high) with finite low < high"
 
 
 def check_where(value: Any) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 from ..errors import MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
 
 __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
 
@@ -103,12 +103,6 @@ def _none_or_positive(value: Any) -> str | None:
     return None if value is None or value >= 1 else f"{value!r} must be >= 1"
 
 
-def _clip(value: Any) -> str | None:
-    if value is None or (len(value) == 2 and all(isinstance(c, (int, float)) for c in value) and value[0] < value[1]):
-        return None
-    return f"{value!r} must be (low, high)"
-
-
 _radius: Callable[[Any], str | None] = lambda v: None if v is None else _positive_or_auto(v)  # noqa: E731
 
 MAX_PMI_UB = GateDef(
@@ -149,7 +143,7 @@ MAX_PMI_UB = GateDef(
         Param("norm", (str,), "linf", one_of("linf", "l2"), "linf or l2"),
         Param("max_balls", (int, type(None)), None, _none_or_positive,
               "a positive number of balls or None (all operational inputs)"),
-        Param("clip", (list, tuple, type(None)), None, _clip, "the valid input range, e.g. clip=(0, 1)"),
+        Param("clip", (list, tuple, type(None)), None, is_interval, "the valid input range, e.g. clip=(0, 1)"),
         Param("empty_cell_label", (str,), "model", one_of("model", "nearest"),
               "model (the model's majority vote, the paper's Assumption 5) or nearest (the label of the "
               "nearest labelled point)"),

@@ -15,8 +15,10 @@ and nothing is recomputed. It holds:
 * plots, only where the engine put the data for them in ``details``:
   ``pair_grids`` (scenario coverage: a heat map per pair of conditions, covered / below
   ``min_count`` / uncovered / infeasible, annotated with the row counts), ``per_neuron_coverage``
-  (neuron k-activation: one bar per neuron) and ``cells_plot`` (pmi: failure rate against the
-  cell's probability mass, log scale, coloured by cell type).
+  (neuron k-activation: one bar per neuron), ``cells_plot`` (pmi: failure rate against the
+  cell's probability mass, log scale, coloured by cell type), ``families`` (robustness: confidence
+  loss and robust accuracy per perturbation family) and the counts ``verified``, ``falsified`` and
+  ``unknown`` (verified robustness: one bar split by verdict).
 
 Self-contained: the plots are inline SVG (matplotlib, Agg backend, text as ``<text>``, the XML
 prologue and namespace URLs removed, ids made unique per plot), styles and the small script are
@@ -305,6 +307,57 @@ def _cells_scatter(plot: dict[str, Any], prefix: str) -> tuple[str, str]:
     return title, _svg(fig, prefix)
 
 
+def _family_bars(families: list[Any], prefix: str) -> tuple[str, str]:
+    import numpy as np
+
+    names = [_short(f.get("name", f.get("family", "?")), 14) for f in families]
+    loss = np.asarray([_number(f.get("loss")) or 0.0 for f in families], dtype=float)
+    acc = np.asarray([_number(f.get("robust_accuracy")) or 0.0 for f in families], dtype=float)
+    if not names:
+        raise ValueError("families is empty")
+    fig = _figure(min(2.6 + 0.7 * len(names), 11), 2.8)
+    ax = fig.subplots()
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, loss, width=0.4, color=_RED, label="confidence loss (mean drop of p(true))")
+    ax.bar(x + 0.2, acc, width=0.4, color=_GREEN, label="robust accuracy")
+    ax.set_xticks(x, names, rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax.set_ylim(min(0.0, float(loss.min()) - 0.05), 1.05)
+    ax.axhline(0, color="#24292f", linewidth=0.6)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    worst = names[int(np.argmax(loss))]
+    title = f"per perturbation family ({len(names)}): the largest confidence loss is {worst}'s, {loss.max():.3f}"
+    return title, _svg(fig, prefix)
+
+
+def _is_verdicts(details: dict[str, Any]) -> bool:
+    return all(isinstance(details.get(k), int) and not isinstance(details.get(k), bool)
+               for k in ("verified", "falsified", "unknown"))
+
+
+def _verdict_bar(verdicts: dict[str, Any], prefix: str) -> tuple[str, str]:
+    parts = [("verified", _GREEN), ("unknown", _GREY), ("falsified", _RED)]
+    counts = [int(_number(verdicts.get(name)) or 0) for name, _ in parts]
+    total = sum(counts)
+    if total <= 0:
+        raise ValueError("no verdicts")
+    fig = _figure(6.2, 1.3)
+    ax = fig.subplots()
+    left = 0
+    for (name, colour), count in zip(parts, counts):
+        ax.barh(0, count, left=left, color=colour, label=f"{name} {count}")
+        if count / total > 0.08:
+            ax.text(left + count / 2, 0, f"{count / total:.0%}", ha="center", va="center", color="white", fontsize=8)
+        left += count
+    ax.set_xlim(0, total)
+    ax.set_yticks([])
+    ax.set_xlabel("inputs")
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    fig.legend(loc="outside right center", fontsize=7, frameon=False)
+    title = f"{counts[0]} of {total} inputs verified, {counts[2]} falsified by a counterexample, {counts[1]} unknown"
+    return title, _svg(fig, prefix)
+
+
 def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], list[str]]:
     """(plots, notes): every plot the details allow; a malformed entry becomes a note."""
     import matplotlib  # Figure objects draw without pyplot: no GUI backend is ever selected
@@ -336,12 +389,16 @@ def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], l
                     lambda: _neuron_bars(details["per_neuron_coverage"], f"g{index}n", overall))
         if isinstance(details.get("cells_plot"), dict):
             attempt("cells_plot", lambda: _cells_scatter(details["cells_plot"], f"g{index}c"))
+        if isinstance(details.get("families"), list):
+            attempt("families", lambda: _family_bars(details["families"], f"g{index}f"))
+        if _is_verdicts(details):
+            attempt("verdicts", lambda: _verdict_bar(details, f"g{index}v"))
     return plots, notes
 
 
 # -- the page ---------------------------------------------------------------------------------
 
-_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot")
+_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families")
 
 
 def _inputs(inputs: Any) -> list[dict[str, Any]]:

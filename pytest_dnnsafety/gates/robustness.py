@@ -1,0 +1,249 @@
+"""Built-in gate family: robustness (``max_adversarial_confidence_loss``, ``min_robust_accuracy``,
+``min_verified_robustness``).
+
+Engines in :mod:`..engines.robustness`: perturbation families (gradient attacks and natural
+perturbations), the adversarial confidence loss of Cheng et al. 2018 (§II-D, eq. 4), and certified
+bounds (IBP, CROWN) with a PGD search for counterexamples. The two empirical gates share one
+measurement when they name the same model, data and perturbations (one run of the families, not
+one per gate). No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Mapping
+
+from ..errors import ConfigError
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+
+__all__ = [
+    "MAX_ADVERSARIAL_CONFIDENCE_LOSS", "MIN_ROBUST_ACCURACY", "MIN_VERIFIED_ROBUSTNESS",
+    "pytest_dnnsafety_register_gates",
+]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """The model in eval mode for the measurement (BatchNorm/Dropout fixed), its mode restored after."""
+    from ..activations import _set_mode
+
+    training = bool(getattr(model, "training", False))
+    if hasattr(model, "train"):
+        _set_mode(model, False)
+    try:
+        yield
+    finally:
+        if hasattr(model, "train"):
+            _set_mode(model, training)
+
+
+def _family_key(family: Any) -> str:
+    from ..engines.robustness.perturbations import family_name
+
+    return family_name(family)
+
+
+def _families(spec: GateSpec) -> dict[str, Any]:
+    """The marker's families as name -> callable, each with its budget checked."""
+    from ..engines.robustness.perturbations import make_family
+
+    opts = spec.options
+    out: dict[str, Any] = {}
+    for item in opts["families"]:
+        if isinstance(item, str):
+            options = {"steps": opts["steps"]} if item.startswith("pgd") else {}
+            family = make_family(item, clip=_clip(opts), outputs=opts["outputs"], **options)
+        else:
+            family = item
+        name = _family_key(family)
+        if name in out:
+            raise ConfigError(f"{spec.marker}: family {name!r} is listed twice in families=. Fix: list it once.")
+        out[name] = family
+    unknown = sorted(set(opts["budgets"] or {}) - set(out))
+    if unknown:
+        raise ConfigError(f"{spec.marker}: budgets= names {unknown}, which are not in families={list(out)}. Fix: "
+                          f"give budgets only for listed families.")
+    return out
+
+
+def _budgets(spec: GateSpec, names: list[str]) -> dict[str, float]:
+    opts = spec.options
+    given = dict(opts["budgets"] or {})
+    missing = [name for name in names if name not in given and opts["eps"] is None]
+    if missing:
+        raise ConfigError(f"{spec.marker}: no budget for {missing}: eps= is not set and budgets= does not name "
+                          f"them. Fix: give eps=... (the budget of every family) or budgets={{name: value}}.")
+    return {name: float(given.get(name, opts["eps"])) for name in names}
+
+
+def _clip(opts: Mapping[str, Any]) -> tuple[float, float] | None:
+    return None if opts["clip"] is None else (float(opts["clip"][0]), float(opts["clip"][1]))
+
+
+def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """The adversarial confidence result of the gate's model, data and families (shared between gates)."""
+    from ..engines.robustness.confidence import assess_adversarial_confidence
+
+    families = _families(spec)
+    budgets = _budgets(spec, list(families))
+    opts = spec.options
+    key = ("adversarial", id(fx["model"]), id(fx["data"]), tuple(budgets.items()),
+           tuple(id(f) if not isinstance(item, str) else item for item, f in zip(opts["families"], families.values())),
+           _clip(opts), opts["outputs"], opts["steps"], ctx.seed, ctx.batch_size, ctx.device)
+    store = ctx.cache.setdefault("robustness", {})
+    if key in store:
+        return store[key][-1]
+    result = assess_adversarial_confidence(
+        fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size, device=ctx.device,
+        seed=ctx.seed, clip=_clip(opts), outputs=opts["outputs"])
+    store[key] = (fx["model"], fx["data"], result)  # keep the objects alive: their ids are in the key
+    return result
+
+
+def _setup(spec: GateSpec) -> str:
+    opts = spec.options
+    parts = [f"ε={opts['eps']:g}" if opts["eps"] is not None else "per-family budgets"]
+    if opts["budgets"]:
+        parts.append(", ".join(f"{k}={v:g}" for k, v in opts["budgets"].items()))
+    if opts["clip"] is not None:
+        parts.append(f"clip=[{opts['clip'][0]:g}, {opts['clip'][1]:g}]")
+    return "; ".join(parts)
+
+
+def _measure_confidence_loss(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Adversarial confidence loss −M_adv (Cheng et al. 2018, §II-D, eq. 4) over the marker's families."""
+    result = _adversarial(spec, fx, ctx)
+    details = {**result.to_details(), "setup": _setup(spec)}
+    return Measurement(value=result.loss, detail=f"{_setup(spec)}: {result.detail()}", details=details)
+
+
+def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Share of inputs classified correctly clean and under every family (the worst case per input)."""
+    result = _adversarial(spec, fx, ctx)
+    per_family = ", ".join(f"{name} {acc:.3f}" for name, acc in zip(result.family_names, result.robust_accuracy))
+    detail = (f"{_setup(spec)}: robust accuracy {result.robust_accuracy_all:.3f} under all families "
+              f"(clean {result.clean_accuracy:.3f}; {per_family}), n={result.n}")
+    details = {**result.to_details(), "setup": _setup(spec)}
+    return Measurement(value=result.robust_accuracy_all, detail=detail, details=details)
+
+
+def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
+    from ..engines.robustness.verification import verify_robustness
+
+    opts = spec.options
+    with _eval_mode(fx["model"]):
+        result = verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
+                                   clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
+                                   attack_steps=opts["attack_steps"])
+    return Measurement(value=result.verified_share, detail=result.detail(), details=result.to_details())
+
+
+# ------------------------------------------------------------------------------------- marker keywords
+
+#: The built-in perturbation families (:data:`..engines.robustness.perturbations.FAMILIES`; a test keeps
+#: the two equal). Spelled out here so that checking a marker at collection imports no torch.
+FAMILY_NAMES = ("fgsm", "fgsm_l2", "pgd", "pgd_l2", "gaussian_noise", "brightness", "contrast", "blur", "rotation",
+                "translation", "occlusion")
+
+
+def _positive(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value < math.inf else f"{value!r} must be a positive finite number"
+
+
+def _family_list(value: Any) -> str | None:
+    if not value:
+        return "is empty; name at least one family"
+    for item in value:
+        if isinstance(item, str):
+            if item not in FAMILY_NAMES:
+                return f"unknown family {item!r}; known: {', '.join(FAMILY_NAMES)}"
+        elif not callable(item):
+            return f"{item!r} is neither a family name nor a callable (model, x, y, eps, generator) -> x'"
+    return None
+
+
+def _budget_map(value: Any) -> str | None:
+    if value is None:
+        return None
+    for name, budget in value.items():
+        if not isinstance(name, str):
+            return f"keys must be family names, got {name!r}"
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or _positive(budget):
+            return f"the budget of {name!r} must be a positive finite number, got {budget!r}"
+    return None
+
+
+_CLIP = Param("clip", (list, tuple, type(None)), None, is_interval,
+              "give the inputs' valid range, e.g. clip=(0, 1); perturbed inputs are clamped into it")
+_EMPIRICAL = (
+    Param("eps", (int, float, type(None)), REQUIRED, _positive,
+          "give the perturbation budget as a positive number, in each family's own unit (see the README's "
+          "family table), e.g. eps=0.1; or eps=None with budgets={family: value} for every family"),
+    Param("families", (list, tuple), ("fgsm", "pgd"), _family_list,
+          f"list family names ({', '.join(FAMILY_NAMES)}) or callables (model, x, y, eps, generator) -> x'"),
+    Param("budgets", (dict, type(None)), None, _budget_map,
+          "map family names to their own budgets, e.g. budgets={'rotation': 15, 'blur': 0.8}"),
+    _CLIP,
+    Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
+          "say what the model returns: auto (detected), logits or probabilities"),
+    Param("steps", (int,), 10, in_range(1, 10_000), "give the number of PGD steps, e.g. steps=10"),
+)
+
+MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
+    marker="max_adversarial_confidence_loss",
+    metric="adversarial confidence loss",
+    op="<=",
+    threshold_range=(0.0, 1.0),
+    params=_EMPIRICAL,
+    fixtures={"model": "model", "data": "dataset"},
+    measure=_measure_confidence_loss,
+    doc="fail if the mean over inputs of the worst family's drop in the true class's probability exceeds "
+        "`threshold` (−M_adv, Cheng et al. 2018, eq. 4)",
+)
+
+MIN_ROBUST_ACCURACY = GateDef(
+    marker="min_robust_accuracy",
+    metric="robust accuracy",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=_EMPIRICAL,
+    fixtures={"model": "model", "data": "dataset"},
+    measure=_measure_robust_accuracy,
+    doc="fail unless at least `threshold` of the inputs are classified correctly clean and under every "
+        "perturbation family at its budget",
+)
+
+MIN_VERIFIED_ROBUSTNESS = GateDef(
+    marker="min_verified_robustness",
+    metric="verified robustness",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=(
+        Param("eps", (int, float), REQUIRED, _positive,
+              "give the L∞ radius in input units as a positive number, e.g. eps=0.02"),
+        Param("method", (str,), "crown", one_of("crown", "ibp"),
+              "crown (linear relaxation, tighter) or ibp (interval bounds, faster)"),
+        _CLIP,
+        Param("attack_steps", (int,), 20, in_range(0, 10_000),
+              "give the PGD steps used to find counterexamples for inputs that are not verified (0: none)"),
+    ),
+    fixtures={"model": "model", "data": "dataset"},
+    measure=_measure_verified,
+    doc="fail unless at least `threshold` of the inputs are verified: the true class's certified lower "
+        "bound beats every other class in the whole L∞ ball of radius eps (IBP or CROWN bounds)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MAX_ADVERSARIAL_CONFIDENCE_LOSS)
+    registry.add(MIN_ROBUST_ACCURACY)
+    registry.add(MIN_VERIFIED_ROBUSTNESS)
