@@ -9,7 +9,10 @@ restored whatever happens, also when the model raises mid-pass.
 
 :class:`ActivationCache` is session-wide: every gate over the same (model, data, layer) shares
 one pass, and a pass captures every layer that gates of the session are known to need
-(the plan, collected from the markers), so two gates on two layers also cost one pass.
+(the plan, collected from the markers), so two gates on two layers also cost one pass. The same
+pass also keeps the model's outputs (:class:`ModelOutputs`: predicted class, softmax confidence
+and the data's labels per input), which :meth:`ActivationCache.outputs` serves to the gates that
+need only predictions (per-scenario accuracy, weighted confusion) without a pass of their own.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from . import progress
 from .errors import ConfigError, DataError, DnnSafetyError, MetricError
 from .loading import iter_batches, known_length
 
-__all__ = ["LayerActivations", "ActivationCache", "capture", "check_layers", "layer_names", "REDUCTIONS"]
+__all__ = ["LayerActivations", "ModelOutputs", "ActivationCache", "capture", "check_layers", "layer_names",
+           "REDUCTIONS"]
 
 #: How a multi-dimensional unit (a conv channel) becomes one number per input.
 REDUCTIONS = ("max", "mean")
@@ -52,6 +56,26 @@ class LayerActivations:
         if reduce not in REDUCTIONS:
             raise ConfigError(f"reduce={reduce!r}: use one of {', '.join(REDUCTIONS)}")
         return self.max if reduce == "max" else self.mean
+
+
+@dataclass(frozen=True)
+class ModelOutputs:
+    """The model's decision on every input of one pass (row i = sample i of the data).
+
+    ``predictions`` (N,) int64: the arg-max class (or the label a label-returning model gave);
+    ``confidence`` (N,) float32: the softmax probability of that class (1.0 for a label-returning
+    model); ``labels`` (N,) int64 or None for unlabelled data; ``num_classes``: columns of the
+    output (None for a label-returning model).
+    """
+
+    predictions: Tensor
+    confidence: Tensor
+    labels: Tensor | None
+    num_classes: int | None
+
+    @property
+    def n_inputs(self) -> int:
+        return int(self.predictions.shape[0])
 
 
 def layer_names(model: torch.nn.Module) -> list[str]:
@@ -105,8 +129,10 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
             f"layer activations need a torch.nn.Module with named submodules; the model is a "
             f"{type(model).__name__}. Fix: give a torch.nn.Module as the `model` fixture."
         )
+    if not layers:  # model outputs only: no hooks needed
+        return {}
     if isinstance(model, torch.jit.ScriptModule):
-        _check_hooks_work(model, layers[0] if layers else "")
+        _check_hooks_work(model, layers[0])
     modules = dict(model.named_modules())
     unknown = [layer for layer in layers if layer not in modules or not layer]
     if unknown and _is_exported(model):
@@ -149,8 +175,11 @@ def capture(
     *,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
+    outputs: list[ModelOutputs] | None = None,
 ) -> dict[str, LayerActivations]:
     """One forward pass over ``data`` recording per-neuron reductions of ``layers``.
+
+    With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it.
 
     Batches come from :func:`~pytest_dnnsafety.loading.iter_batches` (which refuses data in a
     random order: row i must stay sample i) and go to the model's own device (``device`` only for
@@ -168,6 +197,9 @@ def capture(
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     shapes: dict[str, tuple[int, ...]] = {}
     sizes: list[int] = []  # rows per batch (host-side shapes, no sync)
+    preds: list[Tensor] = []
+    confs: list[Tensor] = []
+    labels: list[Tensor] = []
 
     def hook_for(layer: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -191,9 +223,19 @@ def capture(
         _set_mode(model, False)
         with torch.no_grad():
             total, done = _known_length(data), 0
-            for x, _ in iter_batches(data, batch_size):
+            for x, y in iter_batches(data, batch_size):
                 x = x.to(target, non_blocking=True)
-                guard(model, x)
+                out = guard(model, x)
+                if outputs is not None:
+                    if out.ndim == 1:  # a label-returning model
+                        preds.append(out.long())
+                        confs.append(torch.ones(out.shape[0], device=out.device))
+                    else:
+                        conf, pred = torch.softmax(out.float(), dim=1).max(dim=1)
+                        preds.append(pred)
+                        confs.append(conf)
+                    if y is not None:
+                        labels.append(y.to(out.device).long())
                 sizes.append(int(x.shape[0]))
                 done += sizes[-1]
                 progress.tick(done, total, "inputs")
@@ -204,6 +246,9 @@ def capture(
     if not sizes:
         raise DataError("no inputs: the data set is empty. Fix: provide evaluation data with at least one sample.")
     guard.check()
+    if outputs is not None:
+        outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
+                                    torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes))
     result = {}
     for layer in layers:
         if len(maxima[layer]) != len(sizes):
@@ -244,6 +289,7 @@ class ActivationCache:
         self._entries: dict[tuple[int, int, str], LayerActivations] = {}
         self._errors: dict[tuple[int, int, str], Exception] = {}
         self._keep: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._outputs: dict[tuple[int, int], ModelOutputs] = {}
         self.forward_passes = 0
 
     def get(
@@ -274,22 +320,46 @@ class ActivationCache:
                      and (*pair, layer) not in self._errors]
             if extra:  # a bad planned layer must not break this gate; its own gate reports it
                 extra = [layer for layer in extra if _layer_ok(model, layer)]
-            self._keep[pair] = (model, data)
-            self.forward_passes += 1
-            try:
-                captured = capture(model, data, [*missing, *extra], batch_size=batch_size, device=device)
-            except DnnSafetyError as exc:
-                for layer in (*missing, *extra):
-                    self._errors[(*pair, layer)] = exc
-                raise
-            for layer, acts in captured.items():
-                self._entries[(*pair, layer)] = acts
+            self._pass(model, data, [*missing, *extra], batch_size=batch_size, device=device)
         return {layer: self._entries[(*pair, layer)] for layer in layers}
+
+    def outputs(self, model: Any, data: Any, *, batch_size: int, device: torch.device | str,
+                plan: Iterable[str] = ()) -> ModelOutputs:
+        """The model's :class:`ModelOutputs` on ``data``: from a pass already made, else one pass that also
+        captures the plan's layers (so a later neuron gate on the same model and data costs nothing)."""
+        pair = (id(model), id(data))
+        if pair in self._outputs:
+            return self._outputs[pair]
+        if (*pair, "") in self._errors:
+            raise self._errors[(*pair, "")]
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"the model is a {type(model).__name__}, not a torch.nn.Module. Fix: give a "
+                              f"torch.nn.Module as the `model` fixture.")
+        layers = [layer for layer in plan if (*pair, layer) not in self._entries and (*pair, layer) not in self._errors
+                  and _layer_ok(model, layer)]
+        self._pass(model, data, layers, batch_size=batch_size, device=device)
+        return self._outputs[pair]
+
+    def _pass(self, model: Any, data: Any, layers: list[str], *, batch_size: int, device: torch.device | str) -> None:
+        pair = (id(model), id(data))
+        self._keep[pair] = (model, data)
+        self.forward_passes += 1
+        sink: list[ModelOutputs] = []
+        try:
+            captured = capture(model, data, layers, batch_size=batch_size, device=device, outputs=sink)
+        except DnnSafetyError as exc:
+            for layer in (*layers, ""):
+                self._errors[(*pair, layer)] = exc
+            raise
+        for layer, acts in captured.items():
+            self._entries[(*pair, layer)] = acts
+        self._outputs.setdefault(pair, sink[0])
 
     def clear(self) -> None:
         self._entries.clear()
         self._errors.clear()
         self._keep.clear()
+        self._outputs.clear()
 
 
 def _layer_ok(model: Any, layer: str) -> bool:
