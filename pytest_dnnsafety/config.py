@@ -101,6 +101,12 @@ _SETTING_LIST = [
         "set dnnsafety_operational_data in your pytest ini options",
     ),
     Setting(
+        "masks", "source", None,
+        "per-input segmentation masks aligned with dnnsafety_data (one (H, W) boolean mask per input, same order): "
+        ".npz (key masks), .npy, .pt (tensor or dict) or 'package.module:load'",
+        "set dnnsafety_masks in your pytest ini options, or define a `masks` fixture in conftest.py",
+    ),
+    Setting(
         "device", "device", "auto",
         "device for engines and the model: auto | cpu | cuda | cuda:N | mps",
         "use one of auto, cpu, cuda, cuda:N, mps",

@@ -511,6 +511,28 @@ def load_operational_profile(settings: Settings, device: torch.device) -> Any:
     return OperationalProfile(x, device=device)
 
 
+def load_masks(settings: Settings) -> Any:
+    """The segmentation masks of ``dnnsafety_masks`` as a ``(N, H, W)`` bool tensor.
+
+    A file (.npz with key ``masks``, .npy, .pt/.pth holding a tensor or ``{"masks": ...}``) read
+    without unpickling, or a ``package.module:load`` factory returning the masks. Alignment with
+    the data (count, H and W) is checked by the gate, which sees both.
+    """
+    from .engines.occlusion import check_masks
+
+    resolved = settings.require("masks", "the segmentation masks (fixture `masks`)")
+    label = f"segmentation masks (dnnsafety_masks={resolved.value!r} from {resolved.source})"
+    if resolved.is_factory:
+        raw = _call_factory(resolved, settings, "the masks: (N, H, W) booleans or {'masks': ...}", DataError)
+        if raw is None:
+            raise DataError(f"{label}: the factory returned None. Fix: return the masks (a missing `return`?).")
+    else:
+        raw = _read_array_file(_existing_file(settings, resolved), label)
+        if isinstance(raw, Mapping) and "masks" not in raw and len(raw) == 1:
+            raw = next(iter(raw.values()))  # an .npz saved with np.savez(path, m) has key arr_0
+    return check_masks(raw, label)
+
+
 def load_scenario_table(settings: Settings) -> Any:
     """The scenario table from ``dnnsafety_scenarios`` (CSV) and ``dnnsafety_conditions`` (TOML)."""
     scen = settings.require("scenarios", "the scenario table")

@@ -142,6 +142,28 @@ def dataset(dnnsafety_settings: Settings) -> Any:
 
 
 @pytest.fixture(scope="session")
+def masks(dnnsafety_settings: Settings) -> Any:
+    """Per-input segmentation masks from ``dnnsafety_masks`` as a ``(N, H, W)`` bool tensor, aligned with ``dataset``."""
+    with _setup_errors("masks"):
+        from .loading import load_masks
+
+        return load_masks(dnnsafety_settings)
+
+
+@pytest.fixture(scope="session")
+def severity_matrix() -> Any:
+    """The severity matrix of ``max_weighted_confusion`` when the marker gives no ``severity=``: define it."""
+    with _setup_errors("severity_matrix"):
+        from .errors import ConfigError
+
+        raise ConfigError(
+            "no severity matrix: the max_weighted_confusion marker gives no severity= and conftest.py defines no "
+            "`severity_matrix` fixture. Fix: give severity='severity.toml' (a TOML or CSV file relative to the "
+            "rootdir) or severity={'true': {'predicted': weight}}, or define a `severity_matrix` fixture returning "
+            "a SeverityMatrix, a file path, a dict or a K×K tensor.")
+
+
+@pytest.fixture(scope="session")
 def scenario_table(dnnsafety_settings: Settings) -> Any:
     """The scenario table from ``dnnsafety_scenarios`` and ``dnnsafety_conditions``."""
     with _setup_errors("scenario_table"):

@@ -51,6 +51,7 @@ PLUGIN_FIXTURE_SETTINGS = {
     "dataset": ("data",),
     "scenario_table": ("scenarios", "conditions"),
     "operational_profile": ("operational_data",),
+    "masks": ("masks",),
 }
 
 

@@ -114,6 +114,8 @@ GATES = {
     "adv": ('max_adversarial_confidence_loss(1.0, eps=0.05, families=["fgsm", "pgd", "rotation"], '
             'budgets={"rotation": 10}, clip=(0, 1))', "model, dataset"),
     "verified": ("min_verified_robustness(0.0, eps=0.01, clip=(0, 1))", "model, dataset"),
+    "scenacc": ('min_scenario_accuracy(0.0, by=["light"], min_samples=1)', "model, dataset, scenario_table"),
+    "confusion": ('max_weighted_confusion(100.0, severity={"0": {"1": 5.0}})', "model, dataset"),
 }
 
 
@@ -476,6 +478,14 @@ CASES = [
          _npz("data/eval.npz", x=lambda a: a["x"])),
     Case("robustness_torchscript_model_in_the_certified_gate", ("verified",), "*TorchScript*",
          _model_fixture("return torch.jit.script(net)")),
+    # ------------------------------------------------------------------ predictions from the shared pass
+    Case("prediction_gates_model_logits_all_nan", ("scenacc", "confusion", "kact"),
+         "*the model's outputs hold NaN/inf in * inputs; the first bad batch is batch 0*",
+         _model_fixture('with torch.no_grad():\n    net.classifier[3].bias.fill_(float("nan"))\nreturn net')),
+    Case("prediction_gates_scenarios_shorter_than_the_data", ("scenacc",), "*46 rows*48 samples*",
+         _scenarios(_healthy_rows(46))),
+    Case("prediction_gates_data_without_labels", ("scenacc", "confusion"), "*no labels*",
+         _npz("data/eval.npz", x=lambda a: a["x"])),
     # ------------------------------------------------------------------ settings
     Case("seed_beyond_64_bits", ("kact",), "*dnnsafety_seed='100000000000000000000000'*", _ini(seed="1" + "0" * 23),
          usage_error=True),

@@ -172,21 +172,31 @@ def test_misaligned_scenario_table_fails_the_pattern_gate(neuron_project: GatePr
     result.stdout.fnmatch_lines(["*the scenario table has 46 rows but the data has 48 samples*"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("-n", "2")], ids=["serial", "xdist"])
-def test_example_project_gates_pass(tmp_path: Path, extra: tuple) -> None:
-    """The example project, trained from scratch in a copy, passes all of its gates."""
-    project = tmp_path / "example_project"
+@pytest.fixture(scope="module")
+def trained_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the example project, trained from scratch once for this module's runs."""
+    project = tmp_path_factory.mktemp("example") / "example_project"
     shutil.copytree(ROOT / "example_project", project,
                     ignore=shutil.ignore_patterns("models", "data", "reports", "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "digits_demo.train"], cwd=project, check=True, capture_output=True)
+    return project
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("-n", "2")], ids=["serial", "xdist"])
+def test_example_project_gates_pass(trained_example: Path, extra: tuple) -> None:
+    """The example project, trained from scratch in a copy, passes all of its gates."""
+    project = trained_example
+    report = f"reports/e{len(extra)}.json"
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-W", "error",
-                          "--dnnsafety-json=reports/e.json", *extra],
+                          f"--dnnsafety-json={report}", *extra],
                          cwd=project, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    evidence = json.loads((project / "reports" / "e.json").read_text())
+    evidence = json.loads((project / report).read_text())
     markers = {g["marker"] for g in evidence["gates"]}
-    assert {"min_scene_coverage", "min_neuron_k_activation", "max_neuron_pattern_deviation"} <= markers
+    assert {"min_scene_coverage", "min_neuron_k_activation", "max_neuron_pattern_deviation",
+            "max_adversarial_confidence_loss", "min_verified_robustness", "min_scenario_accuracy",
+            "max_weighted_confusion", "min_interpretation_precision"} <= markers
     assert all(g["status"] == "passed" for g in evidence["gates"])
 
 

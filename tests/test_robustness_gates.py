@@ -9,43 +9,14 @@ arguments are collection errors naming the argument and the fix.
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from _digits import digits_cnn, digits_images
+from _digits_project import COUNTING_CONFTEST, digits_project, forward_rows, gates_of, write_digits_files
 from conftest import GateProject
 
-NETDEF = '''
-import torch
-from torch import nn
-
-
-class DigitsCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        self.flatten = nn.Flatten()
-        self.classifier = nn.Sequential(nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x):
-        return self.classifier(self.flatten(self.features(x)))
-
-
-def build():
-    return DigitsCNN()
-
-
-def trained():
-    net = DigitsCNN()
-    net.load_state_dict(torch.load(__file__.replace("netdef.py", "models/digits.pt"), weights_only=True))
-    return net.eval()
-'''
 
 HEALTHY = {
     "loss": 'max_adversarial_confidence_loss(0.5, eps=0.05, families=["fgsm", "pgd", "brightness"], clip=(0, 1))',
@@ -57,35 +28,16 @@ HEALTHY = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("digits")
-    (root / "models").mkdir()
-    (root / "data").mkdir()
-    torch.save(digits_cnn().state_dict(), root / "models" / "digits.pt")
-    x, y = digits_images()
-    np.savez(root / "data" / "eval.npz", x=x[1200:1500].numpy(), y=y[1200:1500].numpy())
-    (root / "netdef.py").write_text(NETDEF)
+    write_digits_files(root)
     return root
 
 
 def _project(gate_project: GateProject, files: Path, gates: dict[str, str], conftest: str = "") -> GateProject:
-    for path in files.rglob("*"):
-        if path.is_file():
-            target = gate_project.pytester.path / path.relative_to(files)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
-    gate_project.ini.update({"dnnsafety_model": "models/digits.pt", "dnnsafety_model_factory": "netdef:build",
-                             "dnnsafety_data": "data/eval.npz", "dnnsafety_batch_size": "128"})
-    lines = ["import pytest", ""]
-    for name, marker in gates.items():
-        lines += [f"@pytest.mark.{marker}", f"def test_{name}(model, dataset):", "    pass", ""]
-    gate_project.tests("\n".join(lines))
-    if conftest:
-        gate_project.write("conftest.py", conftest)
-    return gate_project
+    return digits_project(gate_project, files, gates, conftest)
 
 
 def _gates(project: GateProject) -> dict[str, dict]:
-    evidence = json.loads((project.pytester.path / "evidence.json").read_text())
-    return {g["nodeid"].split("::test_")[1]: g for g in evidence["gates"]}
+    return gates_of(project)
 
 
 def test_healthy_digits_cnn_passes_every_robustness_gate(gate_project: GateProject, files: Path) -> None:
@@ -109,34 +61,11 @@ def test_healthy_digits_cnn_passes_every_robustness_gate(gate_project: GateProje
 
 
 def test_the_two_empirical_gates_share_one_run_of_the_families(gate_project: GateProject, files: Path) -> None:
-    counter = """
-        import pytest
-        import netdef
-
-        CALLS = []
-
-
-        class Counting(netdef.DigitsCNN):
-            def forward(self, x):
-                CALLS.append(x.shape[0])
-                return super().forward(x)
-
-
-        @pytest.fixture(scope="session")
-        def model():
-            net = Counting()
-            net.load_state_dict(netdef.trained().state_dict())
-            return net.eval()
-
-
-        def pytest_sessionfinish(session):
-            (session.config.rootpath / "calls.txt").write_text(str(sum(CALLS)))
-    """
     runs = {}
     for gates in ({"loss": HEALTHY["loss"]}, {"loss": HEALTHY["loss"], "robust": HEALTHY["robust"]}):
-        project = _project(gate_project, files, gates, textwrap.dedent(counter))
+        project = _project(gate_project, files, gates, COUNTING_CONFTEST)
         assert project.run("--dnnsafety-json=evidence.json").ret == 0
-        runs[len(gates)] = int((project.pytester.path / "calls.txt").read_text())
+        runs[len(gates)] = forward_rows(project)
     assert runs[1] > 0 and runs[2] == runs[1]
 
 

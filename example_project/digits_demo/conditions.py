@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "object_masks",
     "DOMAINS",
     "RESTRICTIONS",
     "LIGHTING",
@@ -148,6 +149,17 @@ def _rotate(x: Tensor, degrees: Tensor) -> Tensor:
     mats = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
     grid = F.affine_grid(mats, list(x.shape), align_corners=False)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def object_masks(x: Tensor, scenarios: Sequence[Mapping[str, str]], level: float = 0.25) -> Tensor:
+    """The digit's strokes in each rendered image: ``(N, H, W)`` bool segmentation masks.
+
+    The clean image goes through the scenario's geometry only (its rotation), not its lighting,
+    blur or noise, and the pixels above ``level`` (4 of 16 grey levels) are the object. These are
+    the masks the occlusion gates compare the model's attention with.
+    """
+    degrees = torch.tensor([ROTATION_DEG[s["rotation"]] for s in scenarios], dtype=torch.float32)
+    return (_rotate(x.to(torch.float32), degrees) > level)[:, 0]
 
 
 def apply_conditions(

@@ -9,6 +9,8 @@ Writes, relative to the project folder:
 - ``models/digits_cnn.pt``  the trained state dict (``torch.load(..., weights_only=True)``)
 - ``data/eval.npz``         ``x`` float32 ``(N, 1, 8, 8)`` in [0, 1], ``y`` int64 ``(N,)``: the test
                             split, each image rendered under one feasible scenario
+- ``data/masks.npz``        ``masks`` bool ``(N, 8, 8)``: the digit's strokes in each evaluation image
+                            (its scenario's rotation applied), for the occlusion gates
 - ``data/scenarios.csv``    one row per ``eval.npz`` sample (same order), one column per condition
 - ``data/conditions.toml``  each condition's full domain and the restriction
 - ``data/operation.npz``    ``x`` (other digits under the operational mix of conditions) and their
@@ -40,6 +42,7 @@ from digits_demo.conditions import (
     CLEAN,
     DOMAINS,
     apply_conditions,
+    object_masks,
     feasible_scenarios,
     write_conditions_toml,
 )
@@ -211,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "models").mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "models" / "digits_cnn.pt")
     _write_npz(out / "data" / "eval.npz", x=x_eval.numpy(), y=y_test.numpy())
+    _write_npz(out / "data" / "masks.npz", masks=object_masks(x_test, scen_eval).numpy())
     _write_scenarios_csv(out / "data" / "scenarios.csv", scen_eval)
     write_conditions_toml(out / "data" / "conditions.toml")
     _write_npz(out / "data" / "operation.npz", x=x_operation.numpy(), y=y_op.numpy())

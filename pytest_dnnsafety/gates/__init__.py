@@ -50,6 +50,9 @@ BUILTIN_FAMILIES = (
     "pytest_dnnsafety.gates.neurons",
     "pytest_dnnsafety.gates.reliability",
     "pytest_dnnsafety.gates.robustness",
+    "pytest_dnnsafety.gates.performance",
+    "pytest_dnnsafety.gates.confusion",
+    "pytest_dnnsafety.gates.interpretability",
 )
 
 

@@ -155,7 +155,8 @@ class GateDef:
     fixtures: Mapping[str, str]  # keyword (role) -> default fixture name
     measure: MeasureFn
     doc: str
-    #: role -> option: the role's fixture is requested only when that option is set (not None)
+    #: role -> option: the role's fixture is requested only when that option is set (not None);
+    #: ``"!option"`` inverts it: requested only when the option is *not* set (a fallback source)
     conditional: Mapping[str, str] = field(default_factory=dict)
     #: role -> setting name (e.g. ``{"data": "data"}``): an *optional* role. Its fixture is requested
     #: only when the user named it by marker keyword, the setting is configured (not its default),
@@ -216,7 +217,7 @@ class GateDef:
             if role not in self.fixtures:
                 out.append(f"conditional/optional role {role!r} is not one of the fixtures {sorted(self.fixtures)}")
         for role, option in self.conditional.items():
-            if option not in seen:
+            if option.removeprefix("!") not in seen:
                 out.append(f"conditional role {role!r} names {option!r}, which is not a Param")
         for role, setting in self.optional.items():
             if setting not in SETTINGS:
@@ -433,7 +434,8 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
             raise fail(param.name, "missing", f"write @pytest.mark.{gate.signature()}; {param.doc}")
         options.setdefault(param.name, param.default)
     for role, option in gate.conditional.items():
-        if options.get(option) is None and role not in kwargs:
+        wanted = options.get(option[1:]) is None if option.startswith("!") else options.get(option) is not None
+        if not wanted and role not in kwargs:
             fixtures.pop(role)
     # An optional role named by keyword is requested; otherwise the plugin decides per test
     # (resolve_optional), once it knows the settings and the fixtures visible to the test.

@@ -1,0 +1,170 @@
+"""Built-in gate family: occlusion interpretability (``min_interpretation_precision``,
+``min_occlusion_sensitivity``, ``max_occlusion_sensitivity``).
+
+Engine in :mod:`..engines.occlusion` (Cheng et al. 2018, §II-F/G, eq. 5): occlusion heat maps,
+hot positions (probability of the original class below ``rho``) and occluding positions (the
+occluder overlaps the object's segmentation mask). The gates read the ``model``, ``dataset`` and
+``masks`` fixtures; ``masks`` loads ``dnnsafety_masks`` (:func:`..loading.load_masks`). Gates on the same
+model, data, masks and occlusion options share one computation of the heat maps. No torch
+import at module level.
+
+M_OccSen is gated both ways: ``max_occlusion_sensitivity`` follows the paper (a high share of
+the object whose occlusion breaks the prediction is fragility to partial occlusion), and
+``min_occlusion_sensitivity`` asks that the object matter at all (a model that reads the
+context keeps its prediction wherever the object is occluded, so its M_OccSen is near 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+
+__all__ = [
+    "MIN_INTERPRETATION_PRECISION", "MIN_OCCLUSION_SENSITIVITY", "MAX_OCCLUSION_SENSITIVITY",
+    "pytest_dnnsafety_register_gates",
+]
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, (list, tuple)) else (int(value), int(value))
+
+
+def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """The occlusion result of the gate's model, data, masks and options (shared between gates)."""
+    from ..engines.occlusion import assess_occlusion
+
+    o = spec.options
+    options = {"size": _pair(o["size"]), "stride": _pair(o["stride"]), "fill": o["fill"], "rho": float(o["rho"]),
+               "target": o["target"], "no_hot": o["no_hot"], "empty_mask": o["empty_mask"],
+               "outputs": o["outputs"], "max_batch": o["max_batch"]}
+    key = ("occlusion", id(fx["model"]), id(fx["data"]), id(fx["masks"]), tuple(options.items()), ctx.batch_size,
+           ctx.device)
+    store = ctx.cache.setdefault("interpretability", {})
+    if key in store:
+        return store[key][-1]
+    result = assess_occlusion(fx["model"], fx["data"], fx["masks"], batch_size=ctx.batch_size, device=ctx.device,
+                              **options)
+    store[key] = (fx["model"], fx["data"], fx["masks"], result)  # keep the objects alive: their ids are in the key
+    return result
+
+
+def _setup(spec: GateSpec) -> str:
+    o = spec.options
+    h, w = _pair(o["size"])
+    sh, sw = _pair(o["stride"])
+    fill = o["fill"] if isinstance(o["fill"], str) else f"{o['fill']:g}"
+    return f"occluder {h}x{w}, stride {sh}x{sw}, fill {fill}, ρ={o['rho']:g}, {o['target']} class"
+
+
+def _measure(metric: str, label: str) -> Any:
+    def measure(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+        result = _occlusion(spec, fx, ctx)
+        aggregate = spec.options["aggregate"]
+        value = result.value(metric, aggregate)
+        details = {**result.to_details(), "gated": f"M_{metric}", "aggregate": aggregate}
+        return Measurement(value=value, detail=f"{_setup(spec)}: {label} {aggregate} {value:.3f}; {result.detail()}",
+                           details=details)
+
+    measure.__doc__ = f"{label} (Cheng et al. 2018, §II-F/G, eq. 5) aggregated over the inputs."
+    return measure
+
+
+# ------------------------------------------------------------------------------------- marker keywords
+
+
+def _pixels(value: Any) -> str | None:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and len(items) != 2:
+        return f"{value!r} must be an int or a pair (h, w)"
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in items):
+        return f"{value!r} must hold positive integers (pixels)"
+    return None
+
+
+def _fill(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value == "mean" else f"{value!r} is neither a number nor 'mean'"
+    return None if math.isfinite(value) else f"{value!r} is not finite"
+
+
+def _rho(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value < 1 else f"{value!r} is outside (0, 1)"
+
+
+def _params(aggregates: tuple[str, ...]) -> tuple[Param, ...]:
+    return (
+        Param("size", (int, list, tuple), REQUIRED, _pixels,
+              "give the occluder's side in pixels, e.g. size=3, or (h, w), e.g. size=(2, 4); at most the image size"),
+        Param("stride", (int, list, tuple), 1, _pixels,
+              "give the step between occluder positions in pixels, e.g. stride=1 (a dense map) or stride=(2, 2)"),
+        Param("fill", (int, float, str), 0.0, _fill,
+              "give the occluded pixels' value (a number, e.g. fill=0.0) or fill='mean' (each image's channel mean)"),
+        Param("rho", (int, float), 0.5, _rho,
+              "give the probability below which a position is hot, strictly between 0 and 1, e.g. rho=0.5"),
+        Param("aggregate", (str,), "mean", one_of(*aggregates),
+              f"aggregate the per-input values by {' or '.join(map(repr, aggregates))}"),
+        Param("target", (str,), "predicted", one_of("predicted", "label"),
+              "'predicted' (the class the model predicts on the clean image, the paper's original class) or "
+              "'label' (the true label)"),
+        Param("no_hot", (str,), "skip", one_of("skip", "one", "zero"),
+              "say how an input without hot positions counts for M_interpret (0/0): 'skip' (left out), 'one' or "
+              "'zero'"),
+        Param("empty_mask", (str,), "error", one_of("error", "skip"),
+              "say what an empty mask (no occluding position) does: 'error' or 'skip' (left out)"),
+        Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
+              "say what the model returns: auto (detected), logits or probabilities"),
+        Param("max_batch", (int,), 4096, in_range(1, 10**7),
+              "give the most occluded images per forward pass, e.g. max_batch=4096"),
+    )
+
+
+_FIXTURES = {"model": "model", "data": "dataset", "masks": "masks"}
+
+MIN_INTERPRETATION_PRECISION = GateDef(
+    marker="min_interpretation_precision",
+    metric="interpretation precision",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=_params(("mean", "min")),
+    fixtures=_FIXTURES,
+    measure=_measure("interpret", "M_interpret"),
+    doc="fail unless the share of hot occlusion positions (probability of the original class below rho) that "
+        "overlap the object's mask reaches `threshold` (M_interpret, Cheng et al. 2018, eq. 5)",
+)
+
+MIN_OCCLUSION_SENSITIVITY = GateDef(
+    marker="min_occlusion_sensitivity",
+    metric="occlusion sensitivity",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=_params(("mean", "min")),
+    fixtures=_FIXTURES,
+    measure=_measure("occsen", "M_OccSen"),
+    doc="fail unless at least `threshold` of the occlusion positions on the object are hot: the object "
+        "matters to the prediction (M_OccSen, Cheng et al. 2018, §II-G)",
+)
+
+MAX_OCCLUSION_SENSITIVITY = GateDef(
+    marker="max_occlusion_sensitivity",
+    metric="occlusion sensitivity",
+    op="<=",
+    threshold_range=(0.0, 1.0),
+    params=_params(("mean", "max")),
+    fixtures=_FIXTURES,
+    measure=_measure("occsen", "M_OccSen"),
+    doc="fail if more than `threshold` of the occlusion positions on the object are hot: the prediction "
+        "breaks under small partial occlusions (M_OccSen, Cheng et al. 2018, §II-G)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MIN_INTERPRETATION_PRECISION)
+    registry.add(MIN_OCCLUSION_SENSITIVITY)
+    registry.add(MAX_OCCLUSION_SENSITIVITY)

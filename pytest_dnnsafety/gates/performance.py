@@ -1,0 +1,182 @@
+"""Built-in gate family: performance per scenario (``min_scenario_accuracy``, ``max_scenario_degradation``).
+
+Cheng et al. 2018, §II-E. The evaluation rows are grouped by the values of the ``by`` conditions of
+the scenario table (every value combination of their declared domains is a group, also one without
+rows); the engine is :class:`~pytest_dnnsafety.engines.performance.ScenarioPerformanceEngine`. The
+predictions come from the session's shared forward pass
+(:meth:`~pytest_dnnsafety.activations.ActivationCache.outputs`): one pass per model and data for all
+gates, neuron gates included.
+
+Groups with fewer than ``min_samples`` rows are *not assessable* and groups of the declared domain
+with no row at all are *empty*; either makes the gate inconclusive (it fails, naming the groups)
+unless ``allow_small_groups`` / ``allow_empty_groups`` says otherwise, and then they are left out of
+the gated value. Groups the declared restrictions rule out are never required. No torch import at
+module level.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import MetricError
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+
+__all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafety_register_gates"]
+
+
+def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """The gate's :class:`ScenarioPerformanceResult` (predictions from the session's shared pass)."""
+    from ..activations import ActivationCache
+    from ..engines.performance import ScenarioPerformanceEngine, resolve_by
+    from ..scenarios import ScenarioTable, check_rows_match, count_samples
+
+    opts = spec.options
+    table = fx["scenarios"]
+    if not isinstance(table, ScenarioTable):
+        raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, not a "
+                          "ScenarioTable. Fix: return pytest_dnnsafety.ScenarioTable(Conditions(...), rows)")
+    resolve_by(table, opts["by"])  # an unknown condition is this gate's error, before any forward pass
+    check_rows_match(table, count_samples(fx["data"]), table_fixture=spec.fixtures["scenarios"],
+                     data_fixture=spec.fixtures["data"])
+    cache = ctx.cache.setdefault("activations", ActivationCache())
+    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
+    out = cache.outputs(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device, plan=plan)
+    if out.labels is None:
+        raise MetricError(f"the data (fixture {spec.fixtures['data']!r}) has no labels; accuracy per scenario needs "
+                          "them. Fix: give labelled evaluation data, e.g. an .npz with arrays x and y")
+    check_rows_match(table, out.n_inputs, table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
+    num_classes = None
+    if opts["per_class"]:
+        low, high = int(out.labels.min()), int(out.labels.max())
+        num_classes = out.num_classes or max(high, int(out.predictions.max())) + 1
+        if low < 0 or high >= num_classes:
+            raise MetricError(f"labels range over {low}..{high} but the model has {num_classes} classes. Fix: give "
+                              f"labels 0..{num_classes - 1}")
+    engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
+                                                  min_samples=opts["min_samples"], num_classes=num_classes,
+                                                  device=out.predictions.device)
+    engine.update(engine.group_index(table), out.predictions == out.labels, out.labels if num_classes else None)
+    return engine.compute()
+
+
+def _missing(spec: GateSpec, result: Any) -> str | None:
+    """Why the gate is inconclusive (empty or small groups not allowed), and the details to add."""
+    opts = spec.options
+    problems = []
+    if result.empty and not opts["allow_empty_groups"]:
+        problems.append(f"{len(result.empty)} group(s) of the declared domain have no rows: "
+                        + ", ".join(g.label() for g in result.empty[:10]) + (", …" if len(result.empty) > 10 else ""))
+    if result.small and not opts["allow_small_groups"]:
+        shown = ", ".join(f"{g.label()} ({g.size} rows)" for g in result.small[:10])
+        problems.append(f"{len(result.small)} group(s) have fewer than min_samples={result.min_samples} rows and are "
+                        f"not assessable: {shown}" + (", …" if len(result.small) > 10 else ""))
+    if not problems:
+        if not result.assessable:
+            raise MetricError(f"no group of by={list(result.by)} has min_samples={result.min_samples} rows; nothing "
+                              f"to assess. Fix: lower min_samples or add evaluation data")
+        return None
+    fix = ("Fix: add evaluation data for these scenarios, declare impossible combinations as restrictions in the "
+           "conditions file, or accept them with allow_empty_groups=True / allow_small_groups=True "
+           "(they are then left out of the gated value)")
+    return "; ".join(problems) + ". " + fix
+
+
+def _measure_min_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The worst assessable group's accuracy and its one-sided Clopper–Pearson lower bound (the gated number)."""
+    result = _performance(spec, fx, ctx)
+    why = _missing(spec, result)
+    worst = result.worst
+    details = result.to_details()
+    if worst is None:  # only reachable when small groups are not allowed: inconclusive below
+        return Measurement(value=float("nan"), detail=result.detail(), details=details, inconclusive=why)
+    return Measurement(value=worst.accuracy, bound=worst.lower, detail=result.detail(), details=details,
+                       inconclusive=why)
+
+
+def _measure_degradation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The largest drop of an assessable group's accuracy against the whole data (or its sound bound)."""
+    result = _performance(spec, fx, ctx)
+    why = _missing(spec, result)
+    statistic = spec.options["statistic"]
+    group = result.largest_degradation(statistic)
+    details = {**result.to_details(), "statistic": statistic}
+    if group is None:
+        return Measurement(value=float("nan"), detail=result.detail(), details=details, inconclusive=why)
+    what = "drop" if statistic == "point" else f"drop bound ({result.confidence:.0%}, U_all − L_group)"
+    detail = (f"largest {what} {group.label()}: accuracy {group.accuracy:.3f} ({group.correct}/{group.size}) vs "
+              f"overall {result.accuracy:.3f} (n={result.n}); {len(result.assessable)}/{len(result.groups)} groups "
+              f"assessable; scenario coverage {result.scenario_coverage:.3f}")
+    if statistic == "point":
+        return Measurement(value=group.drop, detail=detail, details=details, inconclusive=why)
+    return Measurement(value=group.drop, bound=group.drop_bound, detail=detail, details=details, inconclusive=why)
+
+
+# ------------------------------------------------------------------------------------- marker keywords
+
+
+def _by_list(value: Any) -> str | None:
+    if not value:
+        return "is empty; name at least one condition of the scenario table"
+    for name in value:
+        if not isinstance(name, str) or not name:
+            return f"{name!r} is not a condition name (a non-empty string)"
+    if len(set(value)) != len(value):
+        return f"{list(value)!r} names a condition twice"
+    return None
+
+
+def _open_unit(value: Any) -> str | None:
+    return None if 0 < value < 1 else f"{value!r} must lie strictly between 0 and 1"
+
+
+_COMMON = (
+    Param("by", (list, tuple), REQUIRED, _by_list,
+          "name the scenario table's conditions to group by, e.g. by=[\"lighting\"] or by=[\"lighting\", \"noise\"]"),
+    Param("confidence", (int, float), 0.95, _open_unit,
+          "give the one-sided confidence of the Clopper–Pearson bounds strictly between 0 and 1, e.g. 0.95"),
+    Param("min_samples", (int,), 30, in_range(1, 10**9),
+          "give the rows a group needs to be assessed, a positive integer, e.g. min_samples=30"),
+    Param("allow_small_groups", (bool,), False, None,
+          "True leaves groups below min_samples out of the gate instead of failing it"),
+    Param("allow_empty_groups", (bool,), False, None,
+          "True leaves groups of the declared domain without any row out of the gate instead of failing it"),
+    Param("per_class", (bool,), False, None, "True adds each group's per-class recall to the details"),
+)
+_FIXTURES = {"model": "model", "data": "dataset", "scenarios": "scenario_table"}
+
+MIN_SCENARIO_ACCURACY = GateDef(
+    marker="min_scenario_accuracy",
+    metric="worst scenario group accuracy",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=_COMMON,
+    fixtures=_FIXTURES,
+    measure=_measure_min_accuracy,
+    doc="fail unless every scenario group of the `by` conditions has an accuracy whose one-sided Clopper–Pearson "
+        "lower bound at `confidence` reaches `threshold` (Cheng et al. 2018, §II-E); groups below `min_samples` "
+        "rows or without rows fail the gate unless allowed",
+)
+
+MAX_SCENARIO_DEGRADATION = GateDef(
+    marker="max_scenario_degradation",
+    metric="largest scenario accuracy degradation",
+    op="<=",
+    threshold_range=(0.0, 1.0),
+    params=(*_COMMON,
+            Param("statistic", (str,), "point", one_of("point", "bound"),
+                  "use 'point' (overall accuracy − group accuracy) or 'bound' (a sound upper confidence bound "
+                  "on that drop)")),
+    fixtures=_FIXTURES,
+    measure=_measure_degradation,
+    doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
+        "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "
+        "without rows fail the gate unless allowed",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MIN_SCENARIO_ACCURACY)
+    registry.add(MAX_SCENARIO_DEGRADATION)
