@@ -238,3 +238,29 @@ def test_bad_marker_arguments_are_collection_errors(gate_project: GateProject, m
     result = gate_project.run()
     assert result.ret != 0
     result.stdout.fnmatch_lines([f"*@pytest.mark.{marker.split('(')[0]}: {expected}Fix: *"])
+
+
+def test_a_user_metric_is_reported_per_group(gate_project: GateProject, files: Path) -> None:
+    conftest = """
+        def error_count(predictions, labels):
+            return float((predictions != labels).sum())
+    """
+    project = _project(gate_project, files, {}, textwrap.dedent(conftest))
+    project.tests(textwrap.dedent("""
+        import pytest
+        from conftest import error_count
+
+        @pytest.mark.min_scenario_accuracy(0.0, by=["lighting"], min_samples=1, allow_empty_groups=True,
+                                           metric=error_count)
+        def test_acc(model, dataset, scenario_table):
+            pass
+    """))
+    assert project.run("--dnnsafety-json=evidence.json").ret == 0
+    details = _gates(project)["acc"]["details"]
+    user = details["user_metric"]
+    assert user["name"] == "error_count"
+    groups = {g["label"] if "label" in g else " × ".join(f"{k}={v}" for k, v in g["key"].items()): g
+              for g in details["groups"] if g["size"]}
+    for label, value in user["per_group"].items():
+        assert value == groups[label]["size"] - groups[label]["correct"]
+    assert user["overall"] == sum(user["per_group"].values())

@@ -16,6 +16,7 @@ module level.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Mapping
 
 from ..errors import MetricError
@@ -57,8 +58,38 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
     engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
                                                   min_samples=opts["min_samples"], num_classes=num_classes,
                                                   device=out.predictions.device)
-    engine.update(engine.group_index(table), out.predictions == out.labels, out.labels if num_classes else None)
-    return engine.compute()
+    groups = engine.group_index(table)
+    engine.update(groups, out.predictions == out.labels, out.labels if num_classes else None)
+    result = engine.compute()
+    user = _user_metric(opts["metric"], result, groups, out.predictions, out.labels)
+    return result, user
+
+
+def _user_metric(metric: Any, result: Any, groups: Any, predictions: Any, labels: Any) -> dict[str, Any] | None:
+    """``metric(predictions, labels) -> float`` on all rows and on each group with rows (reported, not gated).
+
+    One call per group (groups are few; the rows are never looped over in Python). A metric that
+    raises or returns a non-finite number is an error naming it.
+    """
+    if metric is None:
+        return None
+    import math
+
+    name = getattr(metric, "__name__", type(metric).__name__)
+
+    def call(mask: Any) -> float:
+        try:
+            value = float(metric(predictions[mask], labels[mask]))
+        except Exception as exc:
+            raise MetricError(f"metric {name!r} raised {type(exc).__name__}: {exc}. Fix: a metric is called as "
+                              f"metric(predictions, labels) with two 1-D int64 tensors and returns a number") from exc
+        if not math.isfinite(value):
+            raise MetricError(f"metric {name!r} returned {value!r}. Fix: return a finite number")
+        return value
+
+    overall = call(groups >= 0)
+    per_group = {g.label(): call(groups == g.index) for g in result.groups if g.size}
+    return {"name": name, "overall": overall, "per_group": per_group}
 
 
 def _missing(spec: GateSpec, result: Any) -> str | None:
@@ -85,10 +116,10 @@ def _missing(spec: GateSpec, result: Any) -> str | None:
 
 def _measure_min_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The worst assessable group's accuracy and its one-sided Clopper–Pearson lower bound (the gated number)."""
-    result = _performance(spec, fx, ctx)
+    result, user = _performance(spec, fx, ctx)
     why = _missing(spec, result)
     worst = result.worst
-    details = result.to_details()
+    details = {**result.to_details(), **({"user_metric": user} if user else {})}
     if worst is None:  # only reachable when small groups are not allowed: inconclusive below
         return Measurement(value=float("nan"), detail=result.detail(), details=details, inconclusive=why)
     return Measurement(value=worst.accuracy, bound=worst.lower, detail=result.detail(), details=details,
@@ -97,11 +128,11 @@ def _measure_min_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContex
 
 def _measure_degradation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The largest drop of an assessable group's accuracy against the whole data (or its sound bound)."""
-    result = _performance(spec, fx, ctx)
+    result, user = _performance(spec, fx, ctx)
     why = _missing(spec, result)
     statistic = spec.options["statistic"]
     group = result.largest_degradation(statistic)
-    details = {**result.to_details(), "statistic": statistic}
+    details = {**result.to_details(), "statistic": statistic, **({"user_metric": user} if user else {})}
     if group is None:
         return Measurement(value=float("nan"), detail=result.detail(), details=details, inconclusive=why)
     what = "drop" if statistic == "point" else f"drop bound ({result.confidence:.0%}, U_all − L_group)"
@@ -143,6 +174,8 @@ _COMMON = (
     Param("allow_empty_groups", (bool,), False, None,
           "True leaves groups of the declared domain without any row out of the gate instead of failing it"),
     Param("per_class", (bool,), False, None, "True adds each group's per-class recall to the details"),
+    Param("metric", (type(None), Callable), None, None,
+          "give a callable metric(predictions, labels) -> float to report per group (e.g. a macro F1)"),
 )
 _FIXTURES = {"model": "model", "data": "dataset", "scenarios": "scenario_table"}
 
