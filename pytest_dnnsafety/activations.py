@@ -149,14 +149,6 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
     return {layer: modules[layer] for layer in layers}
 
 
-def _set_mode(model: torch.nn.Module, training: bool) -> None:
-    """``model.train(training)``; a ``torch.export`` module refuses it (its mode was fixed at export)."""
-    try:
-        model.train(training)
-    except NotImplementedError:
-        pass
-
-
 def _model_device(model: torch.nn.Module, fallback: torch.device) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
@@ -189,7 +181,7 @@ def capture(
     output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
     finiteness of the outputs and of the captured values is checked once at the end.
     """
-    from .outputs import ForwardGuard
+    from .outputs import ForwardGuard, eval_mode
 
     modules = _resolve_layers(model, layers)
     target = _model_device(model, torch.device(device))
@@ -217,11 +209,9 @@ def capture(
         return hook
 
     guard = ForwardGuard("layer activations (forward pass of the neuron gates)", labels_ok=True)
-    was_training = model.training
     handles = [module.register_forward_hook(hook_for(layer)) for layer, module in modules.items()]
     try:
-        _set_mode(model, False)
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             total, done = _known_length(data), 0
             for x, y in iter_batches(data, batch_size):
                 x = x.to(target, non_blocking=True)
@@ -242,7 +232,6 @@ def capture(
     finally:
         for handle in handles:
             handle.remove()
-        _set_mode(model, was_training)
     if not sizes:
         raise DataError("no inputs: the data set is empty. Fix: provide evaluation data with at least one sample.")
     guard.check()

@@ -18,14 +18,15 @@ Pure torch; no pytest import.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .errors import MetricError
 
-__all__ = ["ForwardGuard", "describe_model", "model_dtype_device"]
+__all__ = ["ForwardGuard", "describe_model", "eval_mode", "model_dtype_device"]
 
 _NONE = torch.iinfo(torch.int64).max
 
@@ -43,6 +44,30 @@ def model_dtype_device(model: Any) -> tuple[torch.dtype | None, torch.device | N
         for tensor in tensors:
             return None, tensor.device
     return None, None
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode inside the block (BatchNorm and Dropout fixed), its mode restored after.
+
+    Restored also when the block raises. A callable without ``train`` and a ``torch.export``
+    module (which refuses ``train()``: its mode was fixed at export) pass through unchanged.
+    """
+    training = getattr(model, "training", None)
+    _train(model, False)
+    try:
+        yield model
+    finally:
+        if training is not None:
+            _train(model, bool(training))
+
+
+def _train(model: Any, training: bool) -> None:
+    if hasattr(model, "train"):
+        try:
+            model.train(training)
+        except NotImplementedError:
+            pass
 
 
 def describe_model(model: Any) -> str:

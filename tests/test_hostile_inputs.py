@@ -484,6 +484,10 @@ CASES = [
          _model_fixture('with torch.no_grad():\n    net.classifier[3].bias.fill_(float("nan"))\nreturn net')),
     Case("prediction_gates_scenarios_shorter_than_the_data", ("scenacc",), "*46 rows*48 samples*",
          _scenarios(_healthy_rows(46))),
+    Case("prediction_and_robustness_gates_data_shuffled", ("scenacc", "confusion", "adv", "verified"),
+         "*DataLoader shuffles*",
+         _data_fixture("return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, "
+                       "shuffle=True)")),
     Case("prediction_gates_data_without_labels", ("scenacc", "confusion"), "*no labels*",
          _npz("data/eval.npz", x=lambda a: a["x"])),
     # ------------------------------------------------------------------ settings

@@ -264,3 +264,37 @@ def test_a_user_metric_is_reported_per_group(gate_project: GateProject, files: P
     for label, value in user["per_group"].items():
         assert value == groups[label]["size"] - groups[label]["correct"]
     assert user["overall"] == sum(user["per_group"].values())
+
+
+def test_a_model_wrong_only_at_dusk_fails_naming_dusk(gate_project: GateProject, files: Path) -> None:
+    """A model that is right by day and at night but wrong at dusk (images scaled to 0.6): the healthy
+    thresholds pass on a whole-data view, but the per-scenario gates must fail on dusk."""
+    conftest = """
+        import pytest
+        import torch
+        import netdef
+
+
+        class WrongAtDusk(netdef.DigitsCNN):
+            def forward(self, x):
+                out = super().forward(x)
+                peak = x.flatten(1).amax(dim=1)
+                dusk = (peak > 0.45) & (peak < 0.75)
+                return torch.where(dusk[:, None], out.roll(1, dims=1), out)
+
+
+        @pytest.fixture(scope="session")
+        def model():
+            net = WrongAtDusk()
+            net.load_state_dict(netdef.trained().state_dict())
+            return net.eval()
+    """
+    project = _project(gate_project, files, {k: HEALTHY[k] for k in ("accuracy", "degradation")},
+                       textwrap.dedent(conftest))
+    result = _run(project)
+    assert result.ret != 0
+    gates = _gates(project)
+    assert gates["accuracy"]["status"] == gates["degradation"]["status"] == "failed"
+    assert gates["accuracy"]["details"]["groups"][0]["key"] == {"lighting": "dusk"}
+    assert gates["accuracy"]["bound"] < 0.05
+    result.stdout.fnmatch_lines(["*min_scenario_accuracy*lighting=dusk*"])

@@ -53,7 +53,7 @@ from torch import Tensor
 from .. import progress
 from ..data import iter_batches, known_length
 from ..errors import ConfigError, DataError, MetricError
-from ..outputs import ForwardGuard, model_dtype_device
+from ..outputs import ForwardGuard, eval_mode, model_dtype_device
 from .base import Engine
 from .robustness.attacks import OUTPUTS, detect_outputs, log_probs
 
@@ -393,14 +393,6 @@ def _check_options(rho: Any, fill: Any, target: str, outputs: str, batch_size: A
         raise ConfigError(f"occlusion: {next(p for p in problems if p)}.")
 
 
-def _set_mode(model: Any, training: Any) -> None:
-    if training is not None and hasattr(model, "train"):
-        try:
-            model.train(bool(training))
-        except (NotImplementedError, AttributeError):  # an exported program has no train mode
-            pass
-
-
 def _mismatch(images: str, m_shape: tuple[int, ...], why: str) -> DataError:
     return DataError(f"occlusion: the masks do not match the data: {why} ({images}, masks {m_shape}). Fix: give one "
                      f"mask (N, H, W) per input, in the data's order and spatial size.")
@@ -467,9 +459,7 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
     fragile: Any = None
     y_lo = y_hi = None
     done, total = 0, known or n_masks
-    was_training = getattr(model, "training", None)
-    _set_mode(model, False)
-    try:
+    with eval_mode(model):
         for x, y in iter_batches(data, batch_size):
             b = x.shape[0]
             if x.ndim < 3 or tuple(x.shape[-2:]) != tuple(m_all.shape[1:]):
@@ -501,8 +491,6 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
             fragile = _merge_top(fragile, batch, "occsen", largest=True)
             done += b
             progress.tick(done, total, "inputs")
-    finally:
-        _set_mode(model, was_training)
     if done != n_masks:
         raise _mismatch(f"{done} images", tuple(m_all.shape), f"{done} inputs but {n_masks} masks")
     clean_guard.check()

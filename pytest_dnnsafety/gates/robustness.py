@@ -10,9 +10,8 @@ one per gate). No torch import at module level.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..hookspecs import hookimpl
@@ -23,21 +22,6 @@ __all__ = [
     "MAX_ADVERSARIAL_CONFIDENCE_LOSS", "MIN_ROBUST_ACCURACY", "MIN_VERIFIED_ROBUSTNESS",
     "pytest_dnnsafety_register_gates",
 ]
-
-
-@contextlib.contextmanager
-def _eval_mode(model: Any) -> Iterator[None]:
-    """The model in eval mode for the measurement (BatchNorm/Dropout fixed), its mode restored after."""
-    from ..activations import _set_mode
-
-    training = bool(getattr(model, "training", False))
-    if hasattr(model, "train"):
-        _set_mode(model, False)
-    try:
-        yield
-    finally:
-        if hasattr(model, "train"):
-            _set_mode(model, training)
 
 
 def _family_key(family: Any) -> str:
@@ -135,7 +119,9 @@ def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -
     from ..engines.robustness.verification import verify_robustness
 
     opts = spec.options
-    with _eval_mode(fx["model"]):
+    from ..outputs import eval_mode
+
+    with eval_mode(fx["model"]):
         result = verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
                                    clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
                                    attack_steps=opts["attack_steps"])

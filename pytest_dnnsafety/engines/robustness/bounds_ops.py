@@ -26,6 +26,7 @@ Part of :mod:`pytest_dnnsafety.engines.robustness.bounds` (no pytest import).
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Op", "LinearOp", "ConvOp", "PositiveLinearOp", "AffineOp", "SumOp", "ReshapeOp", "ReluOp",
+__all__ = ["Op", "Linear", "Nonlinear", "LinearOp", "ConvOp", "PositiveLinearOp", "AffineOp", "SumOp", "ReshapeOp", "ReluOp",
            "MaxPoolOp"]
 
 
@@ -63,10 +64,15 @@ def _vjp(fn: Callable[[Tensor], Tensor], a: Tensor, in_shape: tuple[int, ...]) -
     return grad.reshape(bs, k, *in_shape)
 
 
-class Op:
-    """One node of the bound graph. ``inputs``: indices of its tensor inputs (earlier nodes)."""
+class Op(abc.ABC):
+    """One node of the bound graph. ``inputs``: indices of its tensor inputs (earlier nodes).
 
-    linear = True
+    Every op is either a :class:`Linear` op (an affine map: forward, its absolute value, its
+    transpose) or a :class:`Nonlinear` op (a sound linear relaxation and its transpose); ``linear``
+    says which, so the CROWN pass never calls a method an op does not have.
+    """
+
+    linear: bool
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: tuple[tuple[int, ...], ...],
                  out_shape: tuple[int, ...]) -> None:
@@ -79,35 +85,51 @@ class Op:
     def numel(self) -> int:
         return math.prod(self.out_shape)
 
-    # affine ops ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Interval transfer: bounds of the output from bounds of the inputs."""
+
+
+class Linear(Op):
+    """An affine op: ``forward``, ``abs_forward`` (|linear part| on radii) and ``back`` (its transpose)."""
+
+    linear = True
+
+    @abc.abstractmethod
     def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
         """The op on concrete inputs (``bias=False``: its linear part only)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def abs_forward(self, rs: list[Tensor]) -> Tensor:
         """``|linear part|`` applied to the (non-negative) radii of the inputs."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
         """Coefficients ``a`` (Bs, K, *out) → coefficients of each input and a bias (Bs, K) or None."""
-        raise NotImplementedError
 
     def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """Interval transfer; affine ops in centre/radius form."""
+        """Interval transfer in centre/radius form."""
         cs = [(lo + hi) / 2 for lo, hi in ivs]
         rs = [(hi - lo) / 2 for lo, hi in ivs]
         c, r = self.forward(cs), self.abs_forward(rs)
         return c - r, c + r
 
-    # nonlinear ops ------------------------------------------------------------------------
+
+class Nonlinear(Op):
+    """A nonlinear op with a sound linear relaxation built from its input's bounds."""
+
+    linear = False
+
+    @abc.abstractmethod
     def relax(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, ...]:
-        raise NotImplementedError
+        """The relaxation's coefficients for input bounds ``lo``/``hi``."""
 
+    @abc.abstractmethod
     def back_relaxed(self, a: Tensor, relax: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
-        raise NotImplementedError
+        """Coefficients ``a`` through the relaxation: input coefficients and a bias."""
 
 
-class LinearOp(Op):
+class LinearOp(Linear):
     """``nn.Linear`` on the last dimension."""
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any, weight: Tensor,
@@ -128,7 +150,7 @@ class LinearOp(Op):
         return [torch.matmul(a, self.weight)], bias
 
 
-class ConvOp(Op):
+class ConvOp(Linear):
     """``nn.Conv2d`` (any stride, padding, dilation, groups; zeros padding)."""
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
@@ -171,7 +193,7 @@ class ConvOp(Op):
         return [out], bias
 
 
-class PositiveLinearOp(Op):
+class PositiveLinearOp(Linear):
     """A linear map with non-negative coefficients and no bias (average pooling): ``f(lo) ≤ f(x) ≤ f(hi)``."""
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
@@ -189,7 +211,7 @@ class PositiveLinearOp(Op):
         return [_vjp(self.fn, a, self.in_shapes[0])], None
 
 
-class AffineOp(Op):
+class AffineOp(Linear):
     """Elementwise ``y = scale·x + shift`` with constants broadcastable to ``(1, *shape)``.
 
     Eval-mode batch norm (per-channel scale and shift) and arithmetic with constants
@@ -216,7 +238,7 @@ class AffineOp(Op):
         return [a * self.scale.unsqueeze(1)], bias
 
 
-class SumOp(Op):
+class SumOp(Linear):
     """``y = α₁·x₁ + α₂·x₂`` of two bounded tensors of one shape (residual additions, ``x − y``)."""
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
@@ -235,7 +257,7 @@ class SumOp(Op):
         return [a if c == 1 else a * c for c in self.coeffs], None
 
 
-class ReshapeOp(Op):
+class ReshapeOp(Linear):
     """Flatten / view / reshape / identity / eval-mode dropout: a per-sample relayout (batch kept first)."""
 
     def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
@@ -252,10 +274,8 @@ class ReshapeOp(Op):
         return [a.reshape(a.shape[0], a.shape[1], *self.in_shapes[0])], None
 
 
-class ReluOp(Op):
+class ReluOp(Nonlinear):
     """ReLU with the CROWN relaxation (adaptive lower slope)."""
-
-    linear = False
 
     def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         lo, hi = ivs[0]
@@ -278,14 +298,13 @@ class ReluOp(Op):
         return a * slope, bias
 
 
-class MaxPoolOp(Op):
+class MaxPoolOp(Nonlinear):
     """``nn.MaxPool2d`` (floor mode) with a sound linear relaxation per window.
 
     Lower: ``y ≥ x_{j*}``, ``j*`` = argmax of the window's lower bounds. Upper: ``y = x_{j*}`` when
     ``l_{j*} ≥ max_{j≠j*} u_j`` (one input dominates: exact), else the constant ``max_j u_j``.
     """
 
-    linear = False
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
                  module: torch.nn.MaxPool2d, device: torch.device) -> None:

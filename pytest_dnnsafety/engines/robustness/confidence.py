@@ -28,7 +28,7 @@ from torch import Tensor
 from ... import progress
 from ...data import iter_batches, known_length
 from ...errors import ConfigError, DataError, DnnSafetyError, MetricError
-from ...outputs import ForwardGuard, model_dtype_device
+from ...outputs import ForwardGuard, eval_mode, model_dtype_device
 from ..base import Engine
 from .attacks import OUTPUTS, check_clip, detect_outputs, log_probs
 from .perturbations import family_name
@@ -234,13 +234,6 @@ def _eps_per_family(eps: float | Mapping[str, float], names: list[str]) -> list[
     return out
 
 
-def _set_mode(model: Any, training: bool) -> None:
-    try:
-        model.train(training)
-    except (NotImplementedError, AttributeError):
-        pass
-
-
 def assess_adversarial_confidence(
     model: Any,
     data: Any,
@@ -293,10 +286,7 @@ def assess_adversarial_confidence(
     first_bad = torch.full((nf,), -1, dtype=torch.int64, device=target)
     top = None  # (drop, index, family, p_clean, p_pert), up to WORST_INPUTS, on the device
     total, done, batches = known_length(data) or 0, 0, 0
-    was_training = getattr(model, "training", None)
-    if was_training is not None:
-        _set_mode(model, False)
-    try:
+    with eval_mode(model):
         for b, (x, y) in enumerate(iter_batches(data, batch_size)):
             if y is None:
                 raise DataError("adversarial confidence: the data have no labels; M_adv (eq. 4) measures the drop in "
@@ -343,9 +333,6 @@ def assess_adversarial_confidence(
             done += n
             batches += 1
             progress.tick(done, total, "inputs")
-    finally:
-        if was_training is not None:
-            _set_mode(model, bool(was_training))
     if batches == 0 or done == 0:
         raise DataError("adversarial confidence: no inputs: the data set is empty. Fix: provide labelled evaluation "
                         "data with at least one sample.")

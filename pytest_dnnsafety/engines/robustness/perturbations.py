@@ -41,6 +41,7 @@ guard (checked at the end of the call) and its constructor's ``outputs``.
 
 from __future__ import annotations
 
+import abc
 import inspect
 import math
 from collections.abc import Callable
@@ -112,7 +113,7 @@ def _images(x: Tensor, family: str) -> Tensor:
     )
 
 
-class Family:
+class Family(abc.ABC):
     """Base class of the built-in families (see the module table). Subclasses implement ``_perturb``."""
 
     name: ClassVar[str] = "family"
@@ -171,9 +172,10 @@ class Family:
     def _clamp(self, x: Tensor) -> Tensor:
         return x.clamp(self.clip[0], self.clip[1]) if self.clip is not None else x
 
+    @abc.abstractmethod
     def _perturb(self, model: Any, x: Tensor, y: Tensor, eps: float, generator: torch.Generator | None,
                  guard: ForwardGuard, outputs: str) -> Tensor:
-        raise NotImplementedError
+        """The perturbed batch (same shape as ``x``; the caller clamps it to ``clip``)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, clip={self.clip}, outputs={self.outputs!r})"
@@ -253,41 +255,47 @@ def _warp(imgs: Tensor, theta: Tensor, fill: float) -> Tensor:
     return F.grid_sample(imgs - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
 
 
-class Rotation(Family):
+class _Warp(Family):
+    """An affine warp family: per input the worst of the candidate maps :meth:`_thetas` gives."""
+
+    spatial = True
+
+    @abc.abstractmethod
+    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
+        """The candidate maps as affine_grid ``theta`` matrices (2 × 3) for an ``h`` × ``w`` image."""
+
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        imgs = _images(x, self.name)
+        h, w = imgs.shape[-2:]
+        candidates = [self._clamp(_warp(imgs, torch.tensor(theta, device=x.device), self.fill).reshape(x.shape))
+                      for theta in self._thetas(eps, h, w)]
+        return worst_of(model, y, candidates, outputs, guard)
+
+
+class Rotation(_Warp):
     """Rotation by ``±ε`` degrees about the image centre (bilinear), per input the worse of the two."""
 
     name = "rotation"
     unit = "rotation angle in degrees"
-    spatial = True
 
-    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        imgs = _images(x, self.name)
-        h, w = imgs.shape[-2:]
-        candidates = []
+    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
+        out = []
         for angle in (eps, -eps):
-            a = math.radians(angle)
-            cos, sin = math.cos(a), math.sin(a)
+            cos, sin = math.cos(math.radians(angle)), math.sin(math.radians(angle))
             # rotation in pixel space, written in affine_grid's normalised coordinates (non-square safe)
-            theta = torch.tensor([[cos, -sin * h / w, 0.0], [sin * w / h, cos, 0.0]], device=x.device)
-            candidates.append(self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)))
-        return worst_of(model, y, candidates, outputs, guard)
+            out.append([[cos, -sin * h / w, 0.0], [sin * w / h, cos, 0.0]])
+        return out
 
 
-class Translation(Family):
+class Translation(_Warp):
     """A shift by ε pixels right, left, down or up (bilinear, sub-pixel ok), per input the worst of four."""
 
     name = "translation"
     unit = "shift in pixels"
-    spatial = True
 
-    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        imgs = _images(x, self.name)
-        h, w = imgs.shape[-2:]
-        candidates = []
-        for dx, dy in ((eps, 0.0), (-eps, 0.0), (0.0, eps), (0.0, -eps)):
-            theta = torch.tensor([[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]], device=x.device)
-            candidates.append(self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)))
-        return worst_of(model, y, candidates, outputs, guard)
+    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
+        return [[[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]]
+                for dx, dy in ((eps, 0.0), (-eps, 0.0), (0.0, eps), (0.0, -eps))]
 
 
 def _positions(size: int, side: int) -> list[int]:

@@ -263,9 +263,14 @@ def verify_robustness(
     engine = VerificationEngine(eps, method, device=target)
     guard = ForwardGuard("certified robustness: model on the inputs")
     attack_guard = ForwardGuard("certified robustness: model on PGD attack points")
-    examples: list[dict[str, Any]] = []
-    points: list[Tensor] = []
     margins_seen: list[Tensor] = []
+    # Checks and counterexamples stay on the device inside the loop (read once after it):
+    # the first batch with a label out of range / with certified margins above the model's own.
+    bad_labels = torch.full((), -1, dtype=torch.int64, device=target)
+    unsound = torch.full((), -1, dtype=torch.int64, device=target)
+    overlap = torch.zeros((), dtype=torch.bool, device=target)
+    examples: dict[str, Tensor] | None = None  # the first MAX_COUNTEREXAMPLES falsified inputs
+    n_classes = 0
     total, done = known_length(data) or 0, 0
     for index, (x, y) in enumerate(iter_batches(data, batch_size)):
         if y is None:
@@ -279,25 +284,22 @@ def verify_robustness(
         with torch.no_grad():
             logits = guard(model, x)
         n_classes = logits.shape[1]
-        if bool(((y < 0) | (y >= n_classes)).any()):
-            raise DataError(f"labels of batch {index} lie outside [0, {n_classes}) (the model has {n_classes} "
-                            f"classes). Fix: give class indices matching the model's outputs.")
+        bad_labels = _first(bad_labels, ((y < 0) | (y >= n_classes)).any(), index)
+        y = y.clamp(0, n_classes - 1)  # an out-of-range label is reported after the loop
         pred = logits.argmax(dim=1)
         wrong = pred != y
         lo, hi = input_box(x, eps, clip)
         margins = bounded.margin_lower_bounds(lo, hi, y, method)
         clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
-        if bool((torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs()))).any()):
-            raise MetricError(
-                f"certified robustness: on batch {index} the certified margin bounds do not contain the model's own "
-                f"margins at the inputs, so the traced graph does not compute what the model computes (forward "
-                f"hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain eval-mode "
-                f"model without hooks; if it is one, please report this with the model.")
+        unsound = _first(unsound, (torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs()))).any(),
+                         index)
         worst = margins.min(dim=1).values
         verified = worst > 0
         falsified = wrong.clone()
         found = x.clone()
         found_pred = pred.clone()
+        # Only the undecided inputs are attacked: selecting them reads their count (the one sync per batch),
+        # which spares PGD on every verified or already misclassified input.
         todo = torch.nonzero(~verified & ~wrong).squeeze(1)
         if attack_steps > 0 and todo.numel():
             from .attacks import pgd
@@ -312,31 +314,67 @@ def verify_robustness(
             falsified[todo[hit]] = True
             found[todo[hit]] = xa[hit]
             found_pred[todo[hit]] = pa[hit]
-        if bool((verified & falsified).any()):
-            raise MetricError("certified robustness: internal error: PGD found a misclassified point in the ball of an "
-                              "input the bounds verify (unsound bounds). Please report this with the model.")
+        overlap = overlap | (verified & falsified).any()
         codes = torch.full_like(y, UNKNOWN)
         codes[verified] = VERIFIED
         codes[falsified] = FALSIFIED
         engine.update(codes, worst)
-        margins_seen.append(worst.detach().to("cpu", torch.float64))
-        if len(examples) < MAX_COUNTEREXAMPLES and bool(falsified.any()):
-            for i in torch.nonzero(falsified).squeeze(1).tolist()[: MAX_COUNTEREXAMPLES - len(examples)]:
-                examples.append({
-                    "index": done + i,
-                    "label": int(y[i]),
-                    "predicted": int(found_pred[i]),
-                    "linf_distance": float((found[i] - x[i]).abs().max()),
-                    "source": "clean" if bool(wrong[i]) else "pgd",
-                })
-                points.append(found[i].detach().cpu())
+        margins_seen.append(worst.detach())
+        examples = _first_falsified(examples, falsified, done, x, found, y, found_pred, wrong)
         done += int(x.shape[0])
         progress.tick(done, total, "inputs")
     guard.check()
     attack_guard.check()
     if done == 0:
         raise DataError("certified robustness: the data set is empty. Fix: give at least one labelled input.")
+    first_bad, first_unsound, both = (int(bad_labels), int(unsound), bool(overlap))  # one read after the loop
+    if first_bad >= 0:
+        raise DataError(f"labels of batch {first_bad} lie outside [0, {n_classes}) (the model has {n_classes} "
+                        f"classes). Fix: give class indices matching the model's outputs.")
+    if first_unsound >= 0:
+        raise MetricError(
+            f"certified robustness: on batch {first_unsound} the certified margin bounds do not contain the model's "
+            f"own margins at the inputs, so the traced graph does not compute what the model computes (forward "
+            f"hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain eval-mode "
+            f"model without hooks; if it is one, please report this with the model.")
+    if both:
+        raise MetricError("certified robustness: internal error: PGD found a misclassified point in the ball of an "
+                          "input the bounds verify (unsound bounds). Please report this with the model.")
     result = engine.compute()
-    median = float(torch.cat(margins_seen).median())  # the lower median, as the histogram estimate
-    return dataclasses.replace(result, counterexamples=tuple(examples), margin_median=median, clip=clip,
-                               attack_steps=attack_steps, counterexample_inputs=tuple(points))
+    median = float(torch.cat(margins_seen).to(torch.float64).median())  # the lower median
+    listed, points = _examples_list(examples)
+    return dataclasses.replace(result, counterexamples=listed, margin_median=median, clip=clip,
+                               attack_steps=attack_steps, counterexample_inputs=points)
+
+
+def _first(running: Tensor, flag: Tensor, index: int) -> Tensor:
+    """``index`` if ``flag`` holds and nothing was recorded yet (``running < 0``), else ``running`` (no sync)."""
+    return torch.where((running < 0) & flag, torch.full_like(running, index), running)
+
+
+def _first_falsified(kept: dict[str, Tensor] | None, falsified: Tensor, offset: int, x: Tensor, found: Tensor,
+                     y: Tensor, found_pred: Tensor, wrong: Tensor) -> dict[str, Tensor]:
+    """The running first :data:`MAX_COUNTEREXAMPLES` falsified inputs (by index), merged on the device."""
+    n = falsified.shape[0]
+    index = torch.arange(offset, offset + n, device=falsified.device)
+    batch = {"key": torch.where(falsified, index, torch.full_like(index, torch.iinfo(torch.int64).max)),
+             "label": y, "predicted": found_pred, "clean": wrong,
+             "distance": (found - x).flatten(1).abs().amax(dim=1).to(torch.float64), "point": found.detach()}
+    if kept is not None:
+        batch = {k: torch.cat([kept[k], v]) for k, v in batch.items()}
+    keep = batch["key"].topk(min(MAX_COUNTEREXAMPLES, batch["key"].shape[0]), largest=False).indices
+    return {k: v[keep] for k, v in batch.items()}
+
+
+def _examples_list(kept: dict[str, Tensor] | None) -> tuple[tuple[dict[str, Any], ...], tuple[Tensor, ...]]:
+    """The kept counterexamples as JSON-able dicts and their input points (host copies, after the loop)."""
+    if kept is None:
+        return (), ()
+    real = kept["key"] < torch.iinfo(torch.int64).max
+    rows = {k: v[real] for k, v in kept.items()}
+    listed = tuple({"index": int(i), "label": int(label), "predicted": int(p), "linf_distance": float(d),
+                    "source": "clean" if c else "pgd"}
+                   for i, label, p, d, c in zip(rows["key"].tolist(), rows["label"].tolist(),
+                                                rows["predicted"].tolist(), rows["distance"].tolist(),
+                                                rows["clean"].tolist()))
+    return listed, tuple(point.cpu() for point in rows["point"])
