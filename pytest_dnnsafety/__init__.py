@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engines.reliability import ReliabilityResult, assess_reliability
     from .engines.robustness import (AdversarialConfidenceResult, BoundedModel, VerificationResult,
                                      assess_adversarial_confidence, make_family, verify_robustness)
+    from .engines.monitors import (MSP, ODIN, ActivationPatterns, Autoencoder, DetectionMetrics, Energy,
+                                   Mahalanobis, Monitor, MonitorView, OutsideTheBox, detection_metrics,
+                                   fit_monitor, system_view)
     from .engines.scenario import ScenarioCoverageEngine
     from .profile import PCA, OperationalProfile
     from .scenarios import Conditions, CoverageResult, ScenarioTable
@@ -66,6 +69,19 @@ __all__ = [
     "BoundedModel",
     "verify_robustness",
     "VerificationResult",
+    "Monitor",
+    "MonitorView",
+    "MSP",
+    "ODIN",
+    "Energy",
+    "OutsideTheBox",
+    "ActivationPatterns",
+    "Mahalanobis",
+    "Autoencoder",
+    "fit_monitor",
+    "detection_metrics",
+    "DetectionMetrics",
+    "system_view",
 ]
 
 _LAZY = {
@@ -96,14 +112,27 @@ _LAZY = {
     "BoundedModel": ".engines.robustness",
     "verify_robustness": ".engines.robustness",
     "VerificationResult": ".engines.robustness",
+    "Monitor": ".engines.monitors",
+    "MonitorView": ".engines.monitors",
+    "MSP": ".engines.monitors",
+    "ODIN": ".engines.monitors",
+    "Energy": ".engines.monitors",
+    "OutsideTheBox": ".engines.monitors",
+    "ActivationPatterns": ".engines.monitors",
+    "Mahalanobis": ".engines.monitors",
+    "Autoencoder": ".engines.monitors",
+    "fit_monitor": ".engines.monitors",
+    "detection_metrics": ".engines.monitors",
+    "DetectionMetrics": ".engines.monitors",
+    "system_view": ".engines.monitors",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
+        # Not cached in the package namespace: the name always resolves through sys.modules, so it
+        # stays the same object as the defining module's (also when a test harness re-imports it).
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'pytest_dnnsafety' has no attribute {name!r}")
 
 

@@ -65,13 +65,16 @@ class ModelOutputs:
     ``predictions`` (N,) int64: the arg-max class (or the label a label-returning model gave);
     ``confidence`` (N,) float32: the softmax probability of that class (1.0 for a label-returning
     model); ``labels`` (N,) int64 or None for unlabelled data; ``num_classes``: columns of the
-    output (None for a label-returning model).
+    output (None for a label-returning model); ``logits`` (N, K) float32: the model's raw outputs
+    (logits or probabilities, as the model returns them; None for a label-returning model), which
+    output-based runtime monitors (maximum softmax, energy) score without a pass of their own.
     """
 
     predictions: Tensor
     confidence: Tensor
     labels: Tensor | None
     num_classes: int | None
+    logits: Tensor | None = None
 
     @property
     def n_inputs(self) -> int:
@@ -191,6 +194,7 @@ def capture(
     sizes: list[int] = []  # rows per batch (host-side shapes, no sync)
     preds: list[Tensor] = []
     confs: list[Tensor] = []
+    raw: list[Tensor] = []
     labels: list[Tensor] = []
 
     def hook_for(layer: str) -> Any:
@@ -224,8 +228,9 @@ def capture(
                         conf, pred = torch.softmax(out.float(), dim=1).max(dim=1)
                         preds.append(pred)
                         confs.append(conf)
+                        raw.append(out.detach().float())
                     if y is not None:
-                        labels.append(y.to(out.device).long())
+                        labels.append(y.to(out.device, non_blocking=out.device.type != "cpu").long())
                 sizes.append(int(x.shape[0]))
                 done += sizes[-1]
                 progress.tick(done, total, "inputs")
@@ -237,7 +242,8 @@ def capture(
     guard.check()
     if outputs is not None:
         outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
-                                    torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes))
+                                    torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes,
+                                    torch.cat(raw) if len(raw) == len(sizes) else None))
     result = {}
     for layer in layers:
         if len(maxima[layer]) != len(sizes):

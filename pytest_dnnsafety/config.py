@@ -107,6 +107,18 @@ _SETTING_LIST = [
         "set dnnsafety_masks in your pytest ini options, or define a `masks` fixture in conftest.py",
     ),
     Setting(
+        "monitor_data", "source", None,
+        "in-distribution data the runtime monitors are fitted and calibrated on (e.g. the model's training data): "
+        ".npz (keys x, y), .npy, .pt or 'package.module:load'",
+        "set dnnsafety_monitor_data in your pytest ini options, or define a `monitor_data` fixture in conftest.py",
+    ),
+    Setting(
+        "ood_data", "source", None,
+        "inputs of classes the model was never trained on (the monitors' novel-class fault family): .npz (key x), "
+        ".npy, .pt or 'package.module:load'",
+        "set dnnsafety_ood_data in your pytest ini options, or define an `ood_data` fixture in conftest.py",
+    ),
+    Setting(
         "device", "device", "auto",
         "device for engines and the model: auto | cpu | cuda | cuda:N | mps",
         "use one of auto, cpu, cuda, cuda:N, mps",

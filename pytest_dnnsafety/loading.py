@@ -479,9 +479,14 @@ def _load_data_setting(settings: Settings, name: str, what: str) -> tuple[torch.
     return as_tensors(raw, label)
 
 
-def load_dataset(settings: Settings) -> torch.utils.data.TensorDataset:
-    """The labelled evaluation data as a ``TensorDataset(x, y)`` (``(x,)`` when unlabelled)."""
-    x, y = _load_data_setting(settings, "data", "evaluation data")
+def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation data"
+                 ) -> torch.utils.data.TensorDataset:
+    """The data of setting ``name`` as a ``TensorDataset(x, y)`` (``(x,)`` when unlabelled).
+
+    ``dnnsafety_data`` (the labelled evaluation data) by default; also ``monitor_data`` (what runtime
+    monitors are fitted on) and ``ood_data`` (novel classes).
+    """
+    x, y = _load_data_setting(settings, name, what)
     return torch.utils.data.TensorDataset(x, y) if y is not None else torch.utils.data.TensorDataset(x)
 
 

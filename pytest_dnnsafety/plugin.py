@@ -164,6 +164,61 @@ def severity_matrix() -> Any:
 
 
 @pytest.fixture(scope="session")
+def monitor_data(dnnsafety_settings: Settings) -> Any:
+    """In-distribution data that runtime monitors are fitted and calibrated on, from ``dnnsafety_monitor_data``."""
+    with _setup_errors("monitor_data"):
+        from .loading import load_dataset
+
+        return load_dataset(dnnsafety_settings, "monitor_data", "monitor fitting data")
+
+
+@pytest.fixture(scope="session")
+def ood_data(dnnsafety_settings: Settings) -> Any:
+    """Inputs of classes the model never saw (the monitors' ``novel`` fault family), from ``dnnsafety_ood_data``."""
+    with _setup_errors("ood_data"):
+        from .loading import load_dataset
+
+        return load_dataset(dnnsafety_settings, "ood_data", "novel-class data")
+
+
+@pytest.fixture(scope="session")
+def monitors() -> Any:
+    """The runtime monitors the monitor gates can name: ``{"msp": MSP(), "odin": ODIN(), "energy": Energy()}``.
+
+    Override in ``conftest.py`` to configure them or add feature-based ones, e.g.
+    ``{"energy": Energy(), "oob": OutsideTheBox(layer="classifier.1", clusters=3, enlarge=0.1)}``. Gates fit
+    each monitor they use once per session on ``monitor_data``.
+    """
+    with _setup_errors("monitors"):
+        from .engines.monitors import MSP, ODIN, Energy
+
+        return {"msp": MSP(), "odin": ODIN(), "energy": Energy()}
+
+
+@pytest.fixture(scope="session")
+def fault_data(pytestconfig: pytest.Config, dataset: Any, dnnsafety_settings: Settings) -> Any:
+    """``fault_data(family, severity=3)``: ``dataset`` under a fault family as a ``TensorDataset``.
+
+    The same seeded data the monitor gates use (shared through the session cache), e.g.
+    ``fault_data("gaussian_noise", 3)``; adversarial families also need ``model=``.
+    """
+    from .gates.monitors import fault_set
+    from .loading import resolve_device
+
+    cache = _plugin(pytestconfig).cache
+    seed = dnnsafety_settings.get("seed").value
+    batch_size = dnnsafety_settings.get("batch_size").value
+    device = str(resolve_device(dnnsafety_settings.get("device")))
+
+    def make(family: str, severity: int = 3, *, model: Any = None, clip: Any = (0.0, 1.0)) -> Any:
+        with _setup_errors("fault_data"):
+            return fault_set(cache, dataset, family, severity, seed=seed, model=model, batch_size=batch_size,
+                             device=device, clip=clip)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def scenario_table(dnnsafety_settings: Settings) -> Any:
     """The scenario table from ``dnnsafety_scenarios`` and ``dnnsafety_conditions``."""
     with _setup_errors("scenario_table"):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -141,6 +142,8 @@ def _fingerprint(obj: Any) -> dict[str, Any]:
         return _scenario_table(obj)
     if module.startswith("pytest_dnnsafety.profile") and hasattr(obj, "points"):
         return _profile(obj)
+    if isinstance(obj, Mapping) and obj and all(_is_monitor(v) for v in obj.values()):
+        return _monitors(obj)
     torch = _torch()
     if isinstance(obj, torch.nn.Module):
         try:
@@ -165,6 +168,32 @@ def _fingerprint(obj: Any) -> dict[str, Any]:
         return {"digest": None, "not_fingerprinted": f"a {type_name(obj)} is a callable, not a torch.nn.Module; "
                                                       "its weights (if any) cannot be read"}
     return {"digest": None, "not_fingerprinted": f"no fingerprint rule for {type_name(obj)}"}
+
+
+def _is_monitor(obj: Any) -> bool:
+    return callable(getattr(obj, "fit", None)) and callable(getattr(obj, "score", None))
+
+
+def monitor_state_digest(monitor: Any) -> dict[str, Any]:
+    """Fingerprint of a (fitted) runtime monitor: its configuration, threshold and state tensors."""
+    digest = hashlib.sha256(b"runtime monitor\n")
+    config = monitor.config() if callable(getattr(monitor, "config", None)) else {"type": type_name(monitor)}
+    digest.update(json.dumps({"config": config, "threshold": getattr(monitor, "threshold", None)},
+                             sort_keys=True, default=str).encode())
+    tensors = list(getattr(monitor, "_state_tensors", lambda: ())())
+    values = sum(tensor_digest_update(digest, f"state{i}", t) for i, t in enumerate(tensors))
+    return {"digest": "sha256:" + digest.hexdigest(), "tensors": len(tensors), "values": values,
+            "digest_of": "configuration, threshold and fitted state tensors"}
+
+
+def _monitors(bank: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``monitors`` fixture: each monitor's name, type and configuration (and an autoencoder's weights)."""
+    digest = hashlib.sha256(b"runtime monitors\n")
+    for name, monitor in bank.items():
+        one = monitor_state_digest(monitor)
+        digest.update(f"{name}\t{type_name(monitor)}\t{one['digest']}\n".encode())
+    return {"digest": "sha256:" + digest.hexdigest(), "monitors": list(map(str, bank)),
+            "digest_of": "each monitor's name, type, configuration and state tensors, as the fixture returned them"}
 
 
 def _scenario_table(table: Any) -> dict[str, Any]:

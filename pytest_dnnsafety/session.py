@@ -52,6 +52,8 @@ PLUGIN_FIXTURE_SETTINGS = {
     "scenario_table": ("scenarios", "conditions"),
     "operational_profile": ("operational_data",),
     "masks": ("masks",),
+    "monitor_data": ("monitor_data",),
+    "ood_data": ("ood_data",),
 }
 
 

@@ -95,6 +95,8 @@ def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     np.savez(data / "eval.npz", x=xe.numpy(), y=ye.numpy())
     xo, _ = _images(N, gen)
     np.savez(data / "operation.npz", x=xo.numpy())
+    xf, yf = _images(200, gen)  # what the runtime monitors are fitted on
+    np.savez(data / "fit.npz", x=xf.numpy(), y=yf.numpy())
     lights, blurs = ["day", "dusk", "night"], ["none", "low"]
     rows = [f"{lights[i % 3]},{blurs[(i // 3) % 2]}" for i in range(N)]
     (data / "scenarios.csv").write_text("light,blur\n" + "\n".join(rows) + "\n")
@@ -116,6 +118,9 @@ GATES = {
     "verified": ("min_verified_robustness(0.0, eps=0.01, clip=(0, 1))", "model, dataset"),
     "scenacc": ('min_scenario_accuracy(0.0, by=["light"], min_samples=1)', "model, dataset, scenario_table"),
     "confusion": ('max_weighted_confusion(100.0, severity={"0": {"1": 5.0}})', "model, dataset"),
+    "detect": ('min_monitor_detection(-1.0, monitor="msp", faults=["black_frame", "gaussian_noise"], severity=3)',
+               "model, dataset"),
+    "risk": ('max_monitor_selective_risk(1.0, monitor="energy")', "model, dataset"),
 }
 
 
@@ -479,17 +484,28 @@ CASES = [
     Case("robustness_torchscript_model_in_the_certified_gate", ("verified",), "*TorchScript*",
          _model_fixture("return torch.jit.script(net)")),
     # ------------------------------------------------------------------ predictions from the shared pass
-    Case("prediction_gates_model_logits_all_nan", ("scenacc", "confusion", "kact"),
+    Case("prediction_gates_model_logits_all_nan", ("scenacc", "confusion", "kact", "detect", "risk"),
          "*the model's outputs hold NaN/inf in * inputs; the first bad batch is batch 0*",
          _model_fixture('with torch.no_grad():\n    net.classifier[3].bias.fill_(float("nan"))\nreturn net')),
     Case("prediction_gates_scenarios_shorter_than_the_data", ("scenacc",), "*46 rows*48 samples*",
          _scenarios(_healthy_rows(46))),
-    Case("prediction_and_robustness_gates_data_shuffled", ("scenacc", "confusion", "adv", "verified"),
+    Case("prediction_and_robustness_gates_data_shuffled", ("scenacc", "confusion", "adv", "verified", "detect",
+                                                           "risk"),
          "*DataLoader shuffles*",
          _data_fixture("return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, "
                        "shuffle=True)")),
-    Case("prediction_gates_data_without_labels", ("scenacc", "confusion"), "*no labels*",
+    Case("prediction_gates_data_without_labels", ("scenacc", "confusion", "risk"), "*no labels*",
          _npz("data/eval.npz", x=lambda a: a["x"])),
+    # ------------------------------------------------------------------ runtime monitors
+    Case("monitor_fit_data_empty", ("detect", "risk"), "*monitor fitting data*Fix*",
+         _npz("data/fit.npz", x=lambda a: a["x"][:0], y=lambda a: a["y"][:0])),
+    Case("monitor_fit_data_of_another_shape", ("detect", "risk"), "*'monitor_data' has inputs of shape (1, 6, 8)*",
+         _npz("data/fit.npz", x=lambda a: a["x"][:, :, :6], y=lambda a: a["y"])),
+    Case("monitor_fit_data_with_nan", ("detect",), "*NaN*",
+         _npz("data/fit.npz", x=lambda a: np.where(np.arange(8) == 3, np.nan, a["x"]).astype(np.float32),
+              y=lambda a: a["y"])),
+    Case("monitor_eval_data_outside_the_fault_range", ("detect",), "*clip*",
+         _data_fixture("return x * 3 - 1, y")),
     # ------------------------------------------------------------------ settings
     Case("seed_beyond_64_bits", ("kact",), "*dnnsafety_seed='100000000000000000000000'*", _ini(seed="1" + "0" * 23),
          usage_error=True),
@@ -553,6 +569,7 @@ def _setup(project: GateProject, healthy: Path, gates: tuple[str, ...]) -> None:
         "dnnsafety_scenarios": "data/scenarios.csv",
         "dnnsafety_conditions": "data/conditions.toml",
         "dnnsafety_operational_data": "data/operation.npz",
+        "dnnsafety_monitor_data": "data/fit.npz",
         "dnnsafety_seed": "7",
         "dnnsafety_device": "cpu",
     })

@@ -196,7 +196,8 @@ def test_example_project_gates_pass(trained_example: Path, extra: tuple) -> None
     markers = {g["marker"] for g in evidence["gates"]}
     assert {"min_scene_coverage", "min_neuron_k_activation", "max_neuron_pattern_deviation",
             "max_adversarial_confidence_loss", "min_verified_robustness", "min_scenario_accuracy",
-            "max_weighted_confusion", "min_interpretation_precision"} <= markers
+            "max_weighted_confusion", "min_interpretation_precision", "min_monitor_detection",
+            "max_monitor_selective_risk", "max_monitor_overhead"} <= markers
     assert all(g["status"] == "passed" for g in evidence["gates"])
 
 

@@ -52,6 +52,6 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.flatten(self.features(x)))
 
 
-def build_model() -> nn.Module:
+def build_model(num_classes: int = NUM_CLASSES) -> nn.Module:
     """Return a fresh, untrained :class:`DigitsCNN` (the ``dnnsafety_model_factory``)."""
-    return DigitsCNN()
+    return DigitsCNN(num_classes)

@@ -16,6 +16,10 @@ Writes, relative to the project folder:
 - ``data/operation.npz``    ``x`` (other digits under the operational mix of conditions) and their
                             labels ``y``: the profile ignores ``y``; the pmi gate uses it to label
                             its cells honestly and to check its bound against the observed error
+- ``models/digits_cnn_0to7.pt``  a second reader trained on the digits 0-7 only, so that 8 and 9 are
+                            classes it never saw (the runtime monitors' novel-class faults)
+- ``data/monitor_fit.npz``  ``x``, ``y``: the training digits 0-7, each rendered under one training
+                            scenario: the in-distribution data the runtime monitors are fitted on
 
 The data is scikit-learn's bundled ``load_digits`` (1797 images, 8x8, 16 grey levels), split
 stratified into train (55%), evaluation (30%) and operation (15%).
@@ -48,10 +52,12 @@ from digits_demo.conditions import (
 )
 from digits_demo.model import build_model
 
-__all__ = ["main", "EVAL_HOLES", "operational_weight"]
+__all__ = ["main", "EVAL_HOLES", "KNOWN_DIGITS", "operational_weight"]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SEED = 1234
+#: The classes of the second reader (models/digits_cnn_0to7.pt); 8 and 9 are novel to it.
+KNOWN_DIGITS = 8
 
 #: Partial scenarios that never occur in the evaluation data: the known gaps of the (simulated)
 #: recording campaign, each with its reason. They are feasible in operation, just untested.
@@ -201,6 +207,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = build_model()
     train(model, x_train, y_train, seed=args.seed, epochs=args.epochs)
+    # The second reader never sees 8 or 9: they are novel classes for its runtime monitors.
+    known = y_train < KNOWN_DIGITS
+    model_0to7 = build_model(num_classes=KNOWN_DIGITS)
+    train(model_0to7, x_train[known], y_train[known], seed=args.seed + 7, epochs=args.epochs)
+    # What its monitors are fitted on: its own training digits, each under one training scenario.
+    x_fit = apply_conditions(x_train[known], training_scenarios(np.random.default_rng(args.seed + 3),
+                                                                int(known.sum())),
+                             torch.Generator().manual_seed(args.seed + 3))
 
     # Evaluation data: the test split, each image under one scenario.
     rng = np.random.default_rng(args.seed + 1)
@@ -213,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out
     (out / "models").mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), out / "models" / "digits_cnn.pt")
+    torch.save(model_0to7.state_dict(), out / "models" / "digits_cnn_0to7.pt")
+    _write_npz(out / "data" / "monitor_fit.npz", x=x_fit.numpy(), y=y_train[known].numpy())
     _write_npz(out / "data" / "eval.npz", x=x_eval.numpy(), y=y_test.numpy())
     _write_npz(out / "data" / "masks.npz", masks=object_masks(x_test, scen_eval).numpy())
     _write_scenarios_csv(out / "data" / "scenarios.csv", scen_eval)
@@ -231,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for value in DOMAINS["noise"]:
         mask = torch.tensor([s["noise"] == value for s in scen_eval])
         print(f"  noise={value:<10} {hit[mask].float().mean().item():.4f}  (n={int(mask.sum())})")
+    seen = y_test < KNOWN_DIGITS
+    acc_0to7 = (_predict(model_0to7, x_eval[seen]) == y_test[seen]).float().mean().item()
+    print(f"0-7 reader, conditioned eval accuracy on 0-7: {acc_0to7:.4f} (n={int(seen.sum())})")
     print(f"wrote models/ and data/ under {out} in {elapsed:.1f} s")
     return 0
 

@@ -18,7 +18,9 @@ and nothing is recomputed. It holds:
   (neuron k-activation: one bar per neuron), ``cells_plot`` (pmi: failure rate against the
   cell's probability mass, log scale, coloured by cell type), ``families`` (robustness: confidence
   loss and robust accuracy per perturbation family) and the counts ``verified``, ``falsified`` and
-  ``unknown`` (verified robustness: one bar split by verdict).
+  ``unknown`` (verified robustness: one bar split by verdict), ``faults`` (monitor detection: a
+  fault family × severity heat map of ``details["metric"]``, one per monitor when the entries name
+  one) and ``ranking`` (monitors ranked over benchmarks: Demšar's critical-difference diagram).
 
 Self-contained: the plots are inline SVG (matplotlib, Agg backend, text as ``<text>``, the XML
 prologue and namespace URLs removed, ids made unique per plot), styles and the small script are
@@ -358,6 +360,170 @@ def _verdict_bar(verdicts: dict[str, Any], prefix: str) -> tuple[str, str]:
     return title, _svg(fig, prefix)
 
 
+#: Metrics of the detection gate for which smaller is better (the heat map's colours flip for them).
+_LOWER_IS_BETTER = ("fpr", "fnr", "fpr_at_95tpr", "selective_risk", "model_risk")
+MAX_HEATMAPS = 12
+
+
+def _fault_heatmap(entries: list[Any], metric: str, prefix: str, monitor: str | None = None) -> tuple[str, str]:
+    """A family × severity heat map of ``metric`` over the detection gate's ``faults`` entries."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    families: list[str] = []
+    severities: list[int | None] = []
+    cells: dict[tuple[str, int | None], float] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or "family" not in entry:
+            raise ValueError("a faults entry is not a mapping with a 'family'")
+        family = str(entry["family"])
+        raw = entry.get("severity")
+        if raw is not None and (isinstance(raw, bool) or _number(raw) is None):
+            raise ValueError(f"severity {raw!r} of {family} is not a number")
+        severity = None if raw is None else int(_number(raw) or 0)
+        if (family, severity) in cells:
+            raise ValueError(f"two entries for {family} at severity {severity}")
+        value = _number(entry.get(metric))
+        cells[(family, severity)] = math.nan if value is None else value
+        if family not in families:
+            families.append(family)
+        if severity not in severities:
+            severities.append(severity)
+    if not cells:
+        raise ValueError("faults is empty")
+    columns = sorted(s for s in severities if s is not None) + ([None] if None in severities else [])
+    grid = np.full((len(families), len(columns)), np.nan)
+    present = np.zeros_like(grid, dtype=bool)
+    for (family, severity), value in cells.items():
+        i, j = families.index(family), columns.index(severity)
+        grid[i, j] = value
+        present[i, j] = True
+    finite = grid[np.isfinite(grid)]
+    lo, hi = (-1.0, 1.0) if metric == "mcc" else (0.0, 1.0)
+    if finite.size:
+        lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    lower_better = metric in _LOWER_IS_BETTER
+    cmap = colormaps["RdYlGn_r" if lower_better else "RdYlGn"].with_extremes(bad=_GREY)
+    norm = Normalize(vmin=lo, vmax=hi)
+    fig = _figure(min(2.4 + 0.62 * len(columns), 10), min(1.2 + 0.3 * len(families), 9))
+    ax = fig.subplots()
+    mesh = ax.pcolormesh(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, edgecolors="white", linewidth=1.5)
+    ax.set_xticks(np.arange(len(columns)) + 0.5, ["–" if c is None else str(c) for c in columns])
+    ax.set_yticks(np.arange(len(families)) + 0.5, [_short(f, 22) for f in families])
+    ax.invert_yaxis()
+    ax.set_xlabel("severity")
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if grid.size <= MAX_ANNOTATED_CELLS:
+        for (i, j), value in np.ndenumerate(grid):
+            if not present[i, j]:
+                continue
+            if math.isfinite(value):
+                red, green, blue, _ = cmap(norm(value))
+                dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+                ax.text(j + 0.5, i + 0.5, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if dark else "#24292f")
+            else:
+                ax.text(j + 0.5, i + 0.5, "n/a", ha="center", va="center", fontsize=7, color="#24292f")
+    fig.colorbar(mesh, ax=ax, shrink=0.9, label=metric + (" (lower is better)" if lower_better else ""))
+    title = f"{metric} per fault family × severity" + (f" — {monitor}" if monitor else "")
+    if finite.size:
+        pick = np.nanargmax(grid) if lower_better else np.nanargmin(grid)
+        i, j = np.unravel_index(pick, grid.shape)
+        where = families[i] + ("" if columns[j] is None else f" at severity {columns[j]}")
+        title += f"; worst: {where}, {grid[i, j]:.3f}"
+    return title, _svg(fig, prefix)
+
+
+def _fault_heatmaps(details: dict[str, Any], index: int) -> list[tuple[str, Any]]:
+    """One (kind, draw) per monitor named in the entries (one in all when they name none)."""
+    faults = details["faults"]
+    metric = details.get("metric") if isinstance(details.get("metric"), str) else "mcc"
+    groups: dict[str | None, list[Any]] = {}
+    for entry in faults:
+        name = entry.get("monitor") if isinstance(entry, dict) else None
+        groups.setdefault(None if name is None else str(name), []).append(entry)
+    single = len(groups) == 1
+    draws = []
+    for n, (monitor, entries) in enumerate(list(groups.items())[:MAX_HEATMAPS]):
+        draws.append(("faults", lambda entries=entries, monitor=monitor, n=n: _fault_heatmap(
+            entries, metric, f"g{index}h{n}", None if single else monitor)))
+    return draws
+
+
+def _cd_diagram(ranking: dict[str, Any], prefix: str) -> tuple[str, str]:
+    """Demšar's (2006) critical-difference diagram: average ranks on an axis, cliques as thick bars."""
+    import numpy as np
+
+    names = [str(m) for m in ranking["monitors"]]
+    ranks = np.asarray([_number(r) if _number(r) is not None else np.nan for r in ranking["average_ranks"]],
+                       dtype=float)
+    k = len(names)
+    if k < 2 or ranks.shape != (k,) or not np.isfinite(ranks).all():
+        raise ValueError(f"{k} monitors and {ranks.size} finite average ranks: need the same number, at least 2")
+    cd = _number(ranking.get("cd"))
+    cliques: list[list[int]] = []
+    for clique in ranking.get("cliques") or []:
+        members = [int(i) for i in clique]
+        if any(not 0 <= i < k for i in members):
+            raise ValueError(f"clique {members} names a monitor outside 0..{k - 1}")
+        if len(members) >= 2:
+            cliques.append(members)
+    low = 1.0
+    high = float(max(k, math.ceil(float(ranks.max()))))
+    order = [int(i) for i in np.argsort(ranks, kind="stable")]
+    half = (k + 1) // 2
+    left, right = order[:half], order[half:][::-1]  # no crossing lines: outermost rank on the top row
+    rows = max(len(left), len(right))
+    clique_y = [0.35 + 0.22 * n for n in range(len(cliques))]
+    label_top = (clique_y[-1] if clique_y else 0.2) + 0.4
+    row_y = [label_top + 0.32 * n for n in range(rows)]
+    span = high - low
+    margin = max(0.55 * span, 1.2)
+    fig = _figure(7.2, 1.1 + 0.26 * (rows + len(cliques)))
+    ax = fig.subplots()
+    ax.set_xlim(low - margin, high + margin)
+    ax.set_ylim(row_y[-1] + 0.3, -0.9)
+    ax.axis("off")
+    ax.plot([low, high], [0, 0], color="#24292f", linewidth=1)
+    for tick in np.arange(low, high + 0.01, 0.5):
+        major = abs(tick - round(tick)) < 1e-9
+        ax.plot([tick, tick], [0, -0.12 if major else -0.06], color="#24292f", linewidth=0.8)
+        if major:
+            ax.text(tick, -0.17, f"{round(tick)}", ha="center", va="bottom", fontsize=7)
+    if cd is not None and math.isfinite(cd) and cd > 0:
+        end = low + cd
+        ax.plot([low, end], [-0.62, -0.62], color=_RED, linewidth=1.2)
+        for x in (low, end):
+            ax.plot([x, x], [-0.68, -0.56], color=_RED, linewidth=1.2)
+        ax.text((low + end) / 2, -0.7, f"CD = {cd:.3f}", ha="center", va="bottom", fontsize=7, color=_RED)
+    for y, members in zip(clique_y, cliques):
+        values = ranks[members]
+        ax.plot([values.min() - 0.03, values.max() + 0.03], [y, y], color="#24292f", linewidth=3.5,
+                solid_capstyle="round")
+    for side, methods in (("left", left), ("right", right)):
+        for y, method in zip(row_y, methods):
+            x = float(ranks[method])
+            edge = low - 0.15 * margin if side == "left" else high + 0.15 * margin
+            ax.plot([x, x, edge], [0, y, y], color="#57606a", linewidth=0.8)
+            ax.text(edge + (-0.05 if side == "left" else 0.05), y, f"{_short(names[method], 24)} ({x:.2f})",
+                    ha="right" if side == "left" else "left", va="center", fontsize=7)
+    n_blocks = ranking.get("n_blocks")
+    alpha = _number(ranking.get("alpha"))
+    pvalue = _number(ranking.get("pvalue"))
+    title = f"average ranks of {k} monitors (1 = best)"
+    if isinstance(n_blocks, int) and not isinstance(n_blocks, bool):
+        title += f" over {n_blocks} blocks"
+    if pvalue is not None:
+        title += f"; Friedman p = {pvalue:.3g}"
+    if cd is not None:
+        title += f"; Nemenyi CD = {cd:.3f}" + (f" at α = {alpha:g}" if alpha is not None else "")
+        title += "; bars join monitors not significantly different"
+    return title, _svg(fig, prefix)
+
+
 def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], list[str]]:
     """(plots, notes): every plot the details allow; a malformed entry becomes a note."""
     import matplotlib  # Figure objects draw without pyplot: no GUI backend is ever selected
@@ -393,12 +559,17 @@ def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], l
             attempt("families", lambda: _family_bars(details["families"], f"g{index}f"))
         if _is_verdicts(details):
             attempt("verdicts", lambda: _verdict_bar(details, f"g{index}v"))
+        if isinstance(details.get("faults"), list):
+            for kind, draw in _fault_heatmaps(details, index):
+                attempt(kind, draw)
+        if isinstance(details.get("ranking"), dict):
+            attempt("ranking", lambda: _cd_diagram(details["ranking"], f"g{index}r"))
     return plots, notes
 
 
 # -- the page ---------------------------------------------------------------------------------
 
-_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families")
+_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families", "faults", "ranking")
 
 
 def _inputs(inputs: Any) -> list[dict[str, Any]]:

@@ -1,0 +1,670 @@
+"""Runtime safety monitors: the common protocol, the data view, fitting, calibration and overhead.
+
+A *runtime monitor* watches a trained classifier in operation and raises an alarm on inputs it
+should not be trusted with (out-of-distribution inputs, faults, attacks); on an alarm the system
+rejects the model's decision (METRICS.md §9). Every monitor here follows one protocol
+(:class:`Monitor`):
+
+1. ``fit`` on in-distribution (ID) training data only (the monitor never sees an OOD input);
+2. ``score`` per input, **higher = more likely out-of-distribution**;
+3. a threshold ``calibrate``-d on held-out ID data, so that at least ``accept`` (default 95%) of
+   the ID calibration inputs are accepted;
+4. ``alarm = score > threshold``.
+
+:func:`fit_monitor` does 1–3 in one call: it splits the ID data (seeded) into fit rows and
+calibration rows, fits on the former and calibrates on the latter.
+
+Monitors read the model through a :class:`MonitorView`: the model's outputs and the per-neuron
+features of hidden layers come from the session's
+:class:`~pytest_dnnsafety.activations.ActivationCache`, so every monitor of a session (and every
+neuron gate) on the same model and data shares one forward pass. Monitors that need more than one
+plain pass (ODIN's input perturbation, an autoencoder) read the inputs with
+:meth:`MonitorView.batches`.
+
+The calibration rule (the ``⌈accept·n⌉``-th smallest calibration score) is the standard
+split-conformal quantile without the ``(n+1)`` correction: on fresh ID data the accepted share is
+``accept`` up to sampling error (exactly ``⌈accept·n⌉/(n+1)`` in expectation for continuous
+scores). Pure torch; no pytest import.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import numbers
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ...activations import ActivationCache, ModelOutputs, _model_device
+from ...errors import ConfigError, DataError, MetricError
+from ...loading import iter_batches, known_length
+from ...outputs import eval_mode
+
+__all__ = [
+    "MonitorView",
+    "Monitor",
+    "fit_monitor",
+    "CustomMonitor",
+    "as_monitor",
+    "Overhead",
+    "measure_overhead",
+    "BY_CHOICES",
+]
+
+#: How feature monitors assign fit inputs to classes: ``"auto"`` = the labels when the data has them, else the
+#: model's predictions; ``"label"`` = the labels (unlabelled fit data is a :class:`DataError`); ``"prediction"``.
+BY_CHOICES = ("auto", "label", "prediction")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_share(value: Any, name: str, fix: str) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or not 0.0 < float(value) < 1.0:
+        raise ConfigError(f"{name}={value!r} is not a number strictly between 0 and 1. Fix: {fix}")
+    return float(value)
+
+
+def check_positive(value: Any, name: str, *, allow_zero: bool = False, fix: str = "") -> float:
+    """A finite real ``> 0`` (``>= 0`` with ``allow_zero``); else :class:`ConfigError` naming ``name``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or float(value) < 0 or (float(value) == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name}={value!r} must be a finite number {bound}. Fix: {fix or f'pass {name} {bound}.'}")
+    return float(value)
+
+
+def check_count(value: Any, name: str, minimum: int = 1, fix: str = "") -> int:
+    """An int ``>= minimum``; else :class:`ConfigError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        fix = fix or f"pass {name} >= {minimum}."
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}. Fix: {fix}")
+    return int(value)
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}. Fix: use one of "
+                          f"{', '.join(repr(c) for c in choices)}.")
+    return value
+
+
+def _device_of(model: Any, fallback: torch.device | str) -> torch.device:
+    if isinstance(model, torch.nn.Module):
+        try:
+            return _model_device(model, torch.device(fallback))
+        except Exception:  # a scripted/exported module may refuse parameters(); use the fallback
+            return torch.device(fallback)
+    return torch.device(fallback)
+
+
+# ----------------------------------------------------------------------------- the view
+
+
+class MonitorView:
+    """What a monitor may read about one data set; forward passes shared through the session ActivationCache.
+
+    ``model`` and ``data`` (any accepted data form: tensors, ``(x, y)``, a dict, a ``TensorDataset``, an
+    in-order ``DataLoader``); ``batch_size`` and ``device`` as for the neuron gates (``device`` only for a
+    model without parameters: batches go to the model's own device). ``cache``: the session's
+    :class:`~pytest_dnnsafety.activations.ActivationCache` (a private one when None). ``plan``: layers to
+    capture in the same pass as the outputs (the monitors' :meth:`Monitor.layers`). ``rows``: a subset of
+    the data's rows (1-D int64 indices; see :meth:`subset`).
+    """
+
+    def __init__(self, model: Any, data: Any, *, batch_size: int = 256, device: torch.device | str = "cpu",
+                 cache: ActivationCache | None = None, plan: Iterable[str] = (), rows: Tensor | None = None) -> None:
+        self.model = model
+        self.data = data
+        self.batch_size = check_count(batch_size, "batch_size", 1, "pass a positive batch size, e.g. 256.")
+        self.device = torch.device(device)
+        self.cache = cache if cache is not None else ActivationCache()
+        self.plan = tuple(plan)
+        self.rows: Tensor | None = None
+        self._sorted = True
+        if rows is not None:
+            rows = torch.as_tensor(rows).detach().to("cpu")
+            if rows.ndim != 1 or rows.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                raise ConfigError(f"rows of shape {tuple(rows.shape)} and dtype {rows.dtype} are not row indices. "
+                                  f"Fix: pass a 1-D integer tensor of row indices.")
+            rows = rows.long()
+            self.rows = rows
+            self._sorted = bool((rows[1:] > rows[:-1]).all()) if rows.numel() > 1 else True
+        self._outputs: ModelOutputs | None = None
+        self._features: dict[tuple[str, str], Tensor] = {}
+
+    # -- sizes and the model's device
+
+    @property
+    def n_inputs(self) -> int:
+        if self.rows is not None:
+            return int(self.rows.numel())
+        n = known_length(self.data)
+        return int(n) if n is not None else self.outputs().n_inputs
+
+    @property
+    def model_device(self) -> torch.device:
+        return _device_of(self.model, self.device)
+
+    def _select(self, tensor: Tensor) -> Tensor:
+        return tensor if self.rows is None else tensor[self.rows.to(tensor.device)]
+
+    # -- the shared pass
+
+    def outputs(self) -> ModelOutputs:
+        """The model's :class:`~pytest_dnnsafety.activations.ModelOutputs` on the view's rows (cached pass)."""
+        if self._outputs is None:
+            out = self.cache.outputs(self.model, self.data, batch_size=self.batch_size, device=self.device,
+                                     plan=self.plan)
+            if self.rows is not None:
+                n = out.n_inputs
+                if self.rows.numel() and (int(self.rows.min()) < 0 or int(self.rows.max()) >= n):
+                    raise ConfigError(f"rows reach index {int(self.rows.max())} but the data has {n} inputs. "
+                                      f"Fix: select rows in 0..{n - 1}.")
+                out = ModelOutputs(self._select(out.predictions), self._select(out.confidence),
+                                   self._select(out.labels) if out.labels is not None else None, out.num_classes,
+                                   self._select(out.logits) if out.logits is not None else None)
+            self._outputs = out
+        return self._outputs
+
+    def logits(self) -> Tensor:
+        """``(N, K)`` float32 raw class scores on the model's device; MetricError for a label-returning model."""
+        logits = self.outputs().logits
+        if logits is None:
+            raise MetricError(
+                "the model returns class labels (shape (batch,)), not class scores, so an output-based monitor "
+                "(maximum softmax, ODIN, energy) has nothing to score. Fix: return logits (batch, classes) from "
+                "the model, or use a feature monitor (outside_the_box, activation_patterns, mahalanobis)."
+            )
+        return logits
+
+    def predictions(self) -> Tensor:
+        return self.outputs().predictions
+
+    def labels(self) -> Tensor | None:
+        return self.outputs().labels
+
+    def features(self, layer: str, reduce: str = "max") -> Tensor:
+        """``(N, c)`` per-neuron features of ``layer`` (a conv channel reduced by its spatial max or mean)."""
+        key = (layer, reduce)
+        if key not in self._features:
+            acts = self.cache.get(self.model, self.data, [layer], batch_size=self.batch_size, device=self.device,
+                                  plan=self.plan)[layer]
+            self._features[key] = self._select(acts.reduced(reduce))
+        return self._features[key]
+
+    # -- the inputs themselves
+
+    def batches(self) -> Iterator[tuple[Tensor, Tensor | None]]:
+        """``(x, y)`` batches of the view's rows, in order, on the model's device (``y`` None when unlabelled)."""
+        target = self.model_device
+        if self.rows is not None and not self._sorted:  # an arbitrary order: gather, then slice
+            x_all, y_all = self._gather()
+            for start in range(0, x_all.shape[0], self.batch_size):
+                yield (x_all[start:start + self.batch_size],
+                       y_all[start:start + self.batch_size] if y_all is not None else None)
+            return
+        start = 0
+        rows = self.rows
+        for x, y in iter_batches(self.data, self.batch_size):
+            size = int(x.shape[0])
+            if rows is not None:
+                lo = int(torch.searchsorted(rows, start))
+                hi = int(torch.searchsorted(rows, start + size))
+                local = rows[lo:hi] - start
+                start += size
+                if local.numel() == 0:
+                    continue
+                x = x[local]
+                y = y[local] if y is not None else None
+            else:
+                start += size
+            yield x.to(target, non_blocking=True), (y.to(target, non_blocking=True).long() if y is not None else None)
+
+    def _gather(self) -> tuple[Tensor, Tensor | None]:
+        xs, ys = [], []
+        for x, y in iter_batches(self.data, self.batch_size):
+            xs.append(x)
+            if y is not None:
+                ys.append(y)
+        if not xs:
+            raise DataError("no inputs: the data set is empty. Fix: provide data with at least one sample.")
+        x_all = torch.cat(xs)
+        y_all = torch.cat(ys).long() if len(ys) == len(xs) else None
+        if self.rows is not None:
+            x_all = x_all[self.rows]
+            y_all = y_all[self.rows] if y_all is not None else None
+        target = self.model_device
+        return x_all.to(target), (y_all.to(target) if y_all is not None else None)
+
+    def inputs(self) -> Tensor:
+        """All inputs of the view's rows, concatenated, on the model's device."""
+        xs = [x for x, _ in self.batches()]
+        if not xs:
+            raise DataError("no inputs: the data set (or the selected rows) is empty. Fix: provide data with at "
+                            "least one sample.")
+        return torch.cat(xs)
+
+    def subset(self, rows: Tensor) -> MonitorView:
+        """The same data and cache restricted to ``rows`` (indices into this view's rows): no new forward pass."""
+        rows = torch.as_tensor(rows).detach().to("cpu").long()
+        absolute = self.rows[rows] if self.rows is not None else rows
+        view = MonitorView(self.model, self.data, batch_size=self.batch_size, device=self.device, cache=self.cache,
+                           plan=self.plan, rows=absolute)
+        return view
+
+    def __repr__(self) -> str:
+        rows = "all rows" if self.rows is None else f"{int(self.rows.numel())} rows"
+        return f"MonitorView({type(self.model).__name__}, {rows}, batch_size={self.batch_size})"
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+class Monitor(abc.ABC):
+    """fit on ID data only -> score per input (higher = more likely out-of-distribution) -> alarm = score > threshold.
+
+    Args:
+        accept: in (0, 1), the share of ID calibration inputs the calibrated threshold accepts (default 0.95).
+        calibration_share: in (0, 1), the share of the fit data :func:`fit_monitor` holds out (seeded) to
+            calibrate the threshold (default 0.2).
+        name: how reports name the monitor (default: the class's ``kind``, e.g. ``"energy"``).
+
+    Subclasses implement ``_fit(view, generator)`` and ``_score(view) -> (N,) tensor``, and may override
+    ``_config()`` (JSON-able configuration), ``_state_tensors()`` (the fitted state, for
+    :meth:`state_bytes`), ``_merge(other)``, ``layers()`` and ``fixed_threshold()`` (a rule-based
+    threshold that replaces calibration, e.g. the papers' own rules).
+    """
+
+    kind: ClassVar[str] = "monitor"
+
+    def __init__(self, *, accept: float = 0.95, calibration_share: float = 0.2, name: str | None = None) -> None:
+        self.accept = _check_share(accept, "accept", "the share of in-distribution inputs the monitor must accept, "
+                                                     "e.g. accept=0.95.")
+        self.calibration_share = _check_share(
+            calibration_share, "calibration_share",
+            "the share of the in-distribution fit data held out to calibrate the threshold, e.g. 0.2.")
+        if name is None:
+            name = self.kind
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"name={name!r} must be a non-empty string. Fix: name the monitor, e.g. name='energy'.")
+        self.name: str = name
+        self.threshold: float | None = None
+        self.fitted: bool = False
+        #: JSON-able facts of the last :func:`fit_monitor` (seed, rows used); {} before.
+        self.fit_info: dict[str, Any] = {}
+
+    # -- hooks
+
+    @abc.abstractmethod
+    def _fit(self, view: MonitorView, generator: torch.Generator) -> None:
+        """Learn the monitor's state from the ID view."""
+
+    @abc.abstractmethod
+    def _score(self, view: MonitorView) -> Tensor:
+        """``(N,)`` scores, higher = more likely OOD."""
+
+    def _config(self) -> dict[str, Any]:
+        return {}
+
+    def _state_tensors(self) -> Iterable[Tensor]:
+        return ()
+
+    def _merge(self, other: Monitor) -> None:
+        """Fold ``other``'s fitted state into this one (default: nothing to merge)."""
+
+    def layers(self) -> tuple[str, ...]:
+        """The layers the monitor reads (for the cache's plan); () if none."""
+        return ()
+
+    def fixed_threshold(self) -> float | None:
+        """A rule-based threshold that replaces calibration (None: calibrate on ID data)."""
+        return None
+
+    # -- the protocol
+
+    def fit(self, view: MonitorView, *, generator: torch.Generator | None = None) -> Monitor:
+        """Fit on the ID ``view`` (all its rows); ``generator`` seeds any randomness (k-means). Returns ``self``."""
+        if not isinstance(view, MonitorView):
+            raise ConfigError(f"{self.name}: fit needs a MonitorView, got {type(view).__name__}. Fix: use "
+                              f"fit_monitor(monitor, model, data) or monitor.fit(MonitorView(model, data)).")
+        self._fit(view, generator if generator is not None else torch.Generator().manual_seed(0))
+        self.fitted = True
+        return self
+
+    def score(self, view: MonitorView) -> Tensor:
+        """``(N,)`` float32 scores, higher = more likely OOD; NaN/inf is a :class:`MetricError` naming the monitor."""
+        if not self.fitted:
+            raise ConfigError(f"monitor {self.name!r} is not fitted. Fix: call fit_monitor(monitor, model, id_data) "
+                              f"(or monitor.fit(view)) before score.")
+        scores = self._score(view)
+        return self._check_scores(scores, view.n_inputs)
+
+    def _check_scores(self, scores: Any, n: int) -> Tensor:
+        scores = self._as_scores(scores, n)
+        bad = ~torch.isfinite(scores)
+        count = int(bad.sum())
+        if count:
+            first = int(torch.nonzero(bad)[0])
+            raise MetricError(
+                f"monitor {self.name!r} returned NaN/inf scores for {count} of {n} inputs (the first is input "
+                f"{first}): an alarm decided on them would be meaningless. Fix: make the monitor's score finite "
+                f"for every input (check for divisions by zero, log(0) and empty statistics in its fit).")
+        return scores
+
+    def _as_scores(self, scores: Any, n: int) -> Tensor:
+        """``scores`` as a (n,) float32 tensor (shape and dtype checked on the host; finiteness not)."""
+        if not isinstance(scores, Tensor):
+            try:
+                scores = torch.as_tensor(scores)
+            except Exception as exc:
+                raise MetricError(f"monitor {self.name!r} returned {type(scores).__name__}, not scores. Fix: return "
+                                  f"a (N,) tensor or array of numbers, one per input.") from exc
+        scores = scores.detach()
+        if scores.ndim != 1 or scores.shape[0] != n:
+            raise MetricError(f"monitor {self.name!r} returned scores of shape {tuple(scores.shape)} for {n} inputs. "
+                              f"Fix: return one score per input, shape ({n},).")
+        if scores.is_complex() or scores.dtype == torch.bool:
+            raise MetricError(f"monitor {self.name!r} returned {scores.dtype} scores. Fix: return real numbers.")
+        return scores.to(torch.float32)
+
+    def calibrate(self, scores: Tensor) -> float:
+        """Set and return the threshold: the smallest ``t`` among ``scores`` with ``share(scores <= t) >= accept``.
+
+        That is the ``⌈accept·n⌉``-th smallest ID calibration score, so at least ``accept`` of the calibration
+        inputs are accepted (ties may accept more). A monitor with a :meth:`fixed_threshold` (a paper's own rule)
+        returns that instead.
+        """
+        fixed = self.fixed_threshold()
+        if fixed is not None:
+            self.threshold = float(fixed)
+            return self.threshold
+        scores = torch.as_tensor(scores).detach().reshape(-1).to(torch.float64)
+        n = int(scores.numel())
+        if n == 0:
+            raise DataError(f"{self.name}: no calibration scores. Fix: calibrate on at least one in-distribution "
+                            f"input (fit_monitor holds out calibration_share of the fit data).")
+        if not bool(torch.isfinite(scores).all()):
+            raise MetricError(f"{self.name}: the calibration scores hold NaN/inf. Fix: calibrate on the monitor's "
+                              f"finite scores of in-distribution inputs.")
+        k = max(1, math.ceil(round(self.accept * n, 9)))
+        self.threshold = float(torch.sort(scores).values[k - 1])
+        return self.threshold
+
+    def alarm(self, scores: Tensor) -> Tensor:
+        """``(N,)`` bool: ``scores > threshold``."""
+        if self.threshold is None:
+            raise ConfigError(f"monitor {self.name!r} has no threshold. Fix: fit it with fit_monitor (which "
+                              f"calibrates) or call monitor.calibrate(id_scores) first.")
+        return torch.as_tensor(scores) > self.threshold
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able configuration (kind, name, accept, calibration_share and the monitor's own parameters)."""
+        return {"kind": self.kind, "name": self.name, "accept": self.accept,
+                "calibration_share": self.calibration_share, **self._config()}
+
+    def state_bytes(self) -> int:
+        """Memory of the fitted state (the tensors' ``nbytes``)."""
+        return int(sum(t.numel() * t.element_size() for t in self._state_tensors()))
+
+    def merge(self, other: Monitor) -> Monitor:
+        """Fold ``other``'s fitted state (same class and configuration) into this monitor and return ``self``.
+
+        For monitors fitted on disjoint parts of the ID data (workers): the merged state is the state of one fit on
+        all of it. The threshold is reset to None: calibrate again on the pooled calibration scores.
+        """
+        if type(other) is not type(self):
+            raise ConfigError(f"cannot merge {type(other).__name__} into {type(self).__name__} {self.name!r}. "
+                              f"Fix: merge monitors of the same kind.")
+        if not (self.fitted and other.fitted):
+            raise ConfigError(f"cannot merge monitor {self.name!r}: both monitors must be fitted. Fix: fit both "
+                              f"first.")
+        mine, theirs = self.config(), other.config()
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                raise ConfigError(f"cannot merge monitor {self.name!r}: {key!r} differs ({mine.get(key)!r} vs "
+                                  f"{theirs.get(key)!r}). Fix: build both with the same configuration.")
+        self._merge(other)
+        self.threshold = None
+        if self.fit_info and other.fit_info:
+            self.fit_info = {**self.fit_info, "n_fit": self.fit_info.get("n_fit", 0) + other.fit_info.get("n_fit", 0),
+                             "merged": True}
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, fitted={self.fitted}, threshold={self.threshold})"
+
+
+# ----------------------------------------------------------------------------- class assignment (feature monitors)
+
+
+def fit_classes(view: MonitorView, by: str, monitor: str) -> tuple[Tensor, str]:
+    """The class of every fit input and how it was chosen (``"label"`` or ``"prediction"``), see :data:`BY_CHOICES`."""
+    if by in ("auto", "label"):
+        labels = view.labels()
+        if labels is not None:
+            return labels, "label"
+        if by == "label":
+            raise DataError(
+                f"{monitor}: by='label' needs labelled fit data, but the data has no labels. Fix: pass (x, y) as "
+                f"the in-distribution data, or by='prediction' (or 'auto') to use the model's predicted classes.")
+    return view.predictions(), "prediction"
+
+
+def n_classes(view: MonitorView, classes: Tensor) -> int:
+    """Classes of the model's output (its columns), else 1 + the largest class seen (a label-returning model)."""
+    k = view.outputs().num_classes
+    if classes.numel() == 0:
+        return int(k) if k is not None else 1
+    lowest, seen = int(classes.min()), int(classes.max()) + 1
+    if lowest < 0:
+        raise DataError(f"class indices must be >= 0; the fit data has class {lowest}. Fix: use labels 0..K-1.")
+    if k is not None and seen > k:
+        raise DataError(f"the fit data has class {seen - 1} but the model outputs {k} classes. Fix: use labels "
+                        f"0..{k - 1}.")
+    return int(k) if k is not None else seen
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def fit_monitor(monitor: Any, model: Any, data: Any, *, seed: int = 0, batch_size: int = 256,
+                device: torch.device | str = "cpu", cache: ActivationCache | None = None,
+                plan: Iterable[str] = ()) -> Monitor:
+    """Fit ``monitor`` in place on the ID ``data`` and calibrate its threshold; returns it.
+
+    The rows of ``data`` are split by a ``torch.Generator`` seeded with ``seed``: ``round(calibration_share·n)``
+    calibration rows, the rest fit rows (both at least 2). The monitor is fitted on the fit rows (the same
+    generator then seeds its own randomness, e.g. k-means) and its threshold calibrated on its scores of the
+    calibration rows. A monitor with a rule-based :meth:`Monitor.fixed_threshold` is fitted on all rows.
+    ``monitor`` may also be a user object with ``fit(model, x, y)`` and ``score(model, x)`` (see
+    :func:`as_monitor`); the wrapper is returned then. Outputs and features come from ``cache`` (a private
+    :class:`~pytest_dnnsafety.activations.ActivationCache` when None): fitting costs one forward pass, which also
+    captures the layers of ``plan`` (e.g. every layer the session's monitors read) besides the monitor's own.
+    """
+    monitor = as_monitor(monitor)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ConfigError(f"seed={seed!r} must be an integer. Fix: pass seed=0 (or any int).")
+    view = MonitorView(model, data, batch_size=batch_size, device=device, cache=cache,
+                       plan=dict.fromkeys([*monitor.layers(), *plan]))
+    n = known_length(data)
+    if n == 0:
+        raise DataError(f"fit_monitor({monitor.name!r}): the in-distribution data is empty (0 inputs). Fix: pass the "
+                        f"model's in-distribution training data (at least 4 inputs) as `data`.")
+    n = view.n_inputs  # unknown length (an iterable loader): the shared pass counts it
+    gen = torch.Generator().manual_seed(int(seed))
+    fixed = monitor.fixed_threshold() is not None
+    n_cal = 0 if fixed else round(monitor.calibration_share * n)
+    n_fit = n - n_cal
+    if n_fit < 2 or (not fixed and n_cal < 2):
+        need = 2 if fixed else max(4, math.ceil(2 / min(monitor.calibration_share, 1 - monitor.calibration_share)))
+        raise DataError(
+            f"fit_monitor({monitor.name!r}): the in-distribution data has {n} input(s), which gives {n_fit} fit and "
+            f"{n_cal} calibration row(s) at calibration_share={monitor.calibration_share}; both need at least 2. "
+            f"Fix: pass more in-distribution data (at least {need} inputs) or change calibration_share.")
+    order = torch.randperm(n, generator=gen)
+    cal_rows = torch.sort(order[:n_cal]).values
+    fit_rows = torch.sort(order[n_cal:]).values
+    fit_view = view if n_fit == n else view.subset(fit_rows)
+    monitor.fit(fit_view, generator=gen)
+    if fixed:
+        monitor.calibrate(torch.empty(0))
+    else:
+        monitor.calibrate(monitor.score(view.subset(cal_rows)))
+    monitor.fit_info = {"seed": int(seed), "n_inputs": n, "n_fit": n_fit, "n_calibration": n_cal,
+                        "threshold_rule": "fixed" if fixed else "calibrated"}
+    return monitor
+
+
+# ----------------------------------------------------------------------------- user monitors
+
+
+class CustomMonitor(Monitor):
+    """Adapter for a user object with ``fit(model, x, y)`` and ``score(model, x) -> (N,) scores`` (higher = more OOD).
+
+    ``fit`` gets all fit inputs at once (``y`` None for unlabelled data); ``score`` is called per batch of the
+    view (inputs on the model's device) and its results are concatenated. Scores may be a tensor, an array or a
+    list; NaN/inf is a :class:`MetricError` naming the monitor. Optional: ``name`` (attribute), ``state_bytes()``
+    and ``merge(other)`` on the user object. The whole ``score`` counts as the monitor's overhead.
+    """
+
+    kind = "custom"
+
+    def __init__(self, obj: Any, *, accept: float = 0.95, calibration_share: float = 0.2,
+                 name: str | None = None) -> None:
+        if not (callable(getattr(obj, "fit", None)) and callable(getattr(obj, "score", None))) or isinstance(obj, type):
+            raise ConfigError(_NOT_A_MONITOR.format(kind=type(obj).__name__))
+        if name is None:
+            own = getattr(obj, "name", None)
+            name = own if isinstance(own, str) and own.strip() else type(obj).__name__
+        super().__init__(accept=accept, calibration_share=calibration_share, name=name)
+        self.obj = obj
+
+    def _fit(self, view: MonitorView, generator: torch.Generator) -> None:
+        x = view.inputs()
+        labels = view.labels()
+        try:
+            self.obj.fit(view.model, x, labels)
+        except Exception as exc:
+            raise MetricError(f"monitor {self.name!r}: its fit(model, x, y) raised {type(exc).__name__}: {exc}. Fix: "
+                              f"make fit accept the model, the inputs (N, ...) and the labels (N,) or None.") from exc
+
+    def _score(self, view: MonitorView) -> Tensor:
+        parts = []
+        for x, _ in view.batches():
+            try:
+                s = self.obj.score(view.model, x)
+            except Exception as exc:
+                raise MetricError(f"monitor {self.name!r}: its score(model, x) raised {type(exc).__name__}: {exc}. "
+                                  f"Fix: return one score per input of the batch.") from exc
+            parts.append(self._as_scores(s, int(x.shape[0])).to(x.device))
+        if not parts:
+            return torch.empty(0)
+        return torch.cat(parts)
+
+    def _config(self) -> dict[str, Any]:
+        cls = type(self.obj)
+        return {"class": f"{cls.__module__}.{cls.__qualname__}"}
+
+    def state_bytes(self) -> int:
+        own = getattr(self.obj, "state_bytes", None)
+        if callable(own):
+            return int(own())
+        return int(sum(v.numel() * v.element_size() for v in vars(self.obj).values() if isinstance(v, Tensor))) \
+            if hasattr(self.obj, "__dict__") else 0
+
+    def _merge(self, other: Monitor) -> None:
+        merge = getattr(self.obj, "merge", None)
+        if not callable(merge):
+            raise ConfigError(f"monitor {self.name!r} cannot merge: its {type(self.obj).__name__} has no "
+                              f"merge(other) method. Fix: add one, or fit the monitor on all data in one process.")
+        assert isinstance(other, CustomMonitor)
+        merge(other.obj)
+
+
+_NOT_A_MONITOR = (
+    "a {kind} is not a monitor. Fix: pass a Monitor (MSP(), Energy(), ODIN(), OutsideTheBox(layer), "
+    "ActivationPatterns(layer), Mahalanobis(layer), Autoencoder(module)) or an object (an instance, not a class) "
+    "with methods fit(model, x, y) and score(model, x) -> (N,) scores, higher = more out-of-distribution."
+)
+
+
+def as_monitor(obj: Any) -> Monitor:
+    """A :class:`Monitor` as it is; an object with ``fit``/``score`` wrapped in :class:`CustomMonitor`; else error."""
+    if isinstance(obj, Monitor):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, Monitor):
+        raise ConfigError(f"{obj.__name__} is a class. Fix: pass an instance, e.g. {obj.__name__}(...).")
+    return CustomMonitor(obj)
+
+
+# ----------------------------------------------------------------------------- overhead
+
+
+@dataclass
+class Overhead:
+    """Time the monitor adds per input, against the model's own time per input, and its fitted state's memory."""
+
+    monitor_s_per_input: float
+    model_s_per_input: float
+    ratio: float
+    state_bytes: int
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -> Overhead:
+    """Median wall time (``time.perf_counter``, CUDA-synchronised) of the model and of the monitor on ``view``.
+
+    Model time: forward passes over ``view.batches()`` under ``no_grad`` in eval mode. Monitor time: the
+    monitor's :meth:`Monitor.score` on the view once the shared forward outputs and features are cached, i.e.
+    what the monitor adds in deployment (output and feature monitors only their arithmetic; ODIN its extra
+    forward+backward+forward; an autoencoder its own pass; a user monitor its whole score). One warm-up run of
+    each is not timed; then the median of ``repeats`` runs. ``ratio = monitor / model``.
+    """
+    repeats = check_count(repeats, "repeats", 1, "pass repeats >= 1, e.g. 5.")
+    monitor = as_monitor(monitor)
+    n = view.n_inputs
+    if n == 0:
+        raise DataError("measure_overhead: the view has no inputs. Fix: measure on a non-empty data set.")
+    device = view.model_device
+
+    def run_model() -> None:
+        with eval_mode(view.model), torch.no_grad():
+            for x, _ in view.batches():
+                view.model(x)
+
+    def run_monitor() -> None:
+        monitor.score(view)
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up (fills the cache for the monitor: its shared pass is the model's, not the monitor's)
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    model_s = timed(run_model) / n
+    monitor_s = timed(run_monitor) / n
+    ratio = monitor_s / model_s if model_s > 0 else math.inf
+    return Overhead(monitor_s_per_input=monitor_s, model_s_per_input=model_s, ratio=ratio,
+                    state_bytes=monitor.state_bytes(), repeats=repeats)
