@@ -3,9 +3,11 @@
 :func:`capture` runs the model once over a data set, in eval mode under ``torch.no_grad()``,
 with forward hooks on the requested modules (named as in ``model.named_modules()``, e.g.
 ``features.3``). It keeps only per-neuron reductions — for an (N, C, H, W) feature map the
-channel's spatial ``max`` and ``mean``, for an (N, c) output the values — so memory grows
-with N·c, never with whole feature maps. Hooks are removed and the model's training mode is
-restored whatever happens, also when the model raises mid-pass.
+channel's spatial ``max``, ``mean`` and ``min``, for an (N, c) output the values — so memory grows
+with N·c, never with whole feature maps. The per-channel ``min`` (with ``max``) gives the range of
+the whole layer tensor of each input, which the DeepInspect activity needs (a min–max scaling per
+input over the layer, :func:`pytest_dnnsafety.engines.inspection.layer_activity`). Hooks are removed
+and the model's training mode is restored whatever happens, also when the model raises mid-pass.
 
 :class:`ActivationCache` is session-wide: every gate over the same (model, data, layer) shares
 one pass, and a pass captures every layer that gates of the session are known to need
@@ -37,12 +39,17 @@ REDUCTIONS = ("max", "mean")
 
 @dataclass(frozen=True)
 class LayerActivations:
-    """Per-input, per-neuron activations of one layer: ``max`` and ``mean`` over the spatial dims."""
+    """Per-input, per-neuron activations of one layer: ``max``, ``mean`` and ``min`` over the spatial dims.
+
+    ``min`` is None only for an object built by hand without it (:func:`capture` always fills it);
+    :meth:`reduced` offers the ``max`` and ``mean`` reductions (:data:`REDUCTIONS`) as before.
+    """
 
     layer: str
     max: Tensor  # (N, c)
     mean: Tensor  # (N, c)
     unit_shape: tuple[int, ...]  # per-sample output shape, e.g. (16, 8, 8)
+    min: Tensor | None = None  # (N, c)
 
     @property
     def n_neurons(self) -> int:
@@ -172,7 +179,7 @@ def capture(
     device: torch.device | str = "cpu",
     outputs: list[ModelOutputs] | None = None,
 ) -> dict[str, LayerActivations]:
-    """One forward pass over ``data`` recording per-neuron reductions of ``layers``.
+    """One forward pass over ``data`` recording per-neuron reductions of ``layers`` (max, mean, min).
 
     With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it.
 
@@ -190,6 +197,7 @@ def capture(
     target = _model_device(model, torch.device(device))
     maxima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
+    minima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     shapes: dict[str, tuple[int, ...]] = {}
     sizes: list[int] = []  # rows per batch (host-side shapes, no sync)
     preds: list[Tensor] = []
@@ -209,6 +217,7 @@ def capture(
             flat = out.detach().flatten(2) if out.ndim > 2 else out.detach().unsqueeze(-1)
             maxima[layer].append(flat.amax(dim=-1).float())
             means[layer].append(flat.mean(dim=-1, dtype=torch.float32))
+            minima[layer].append(flat.amin(dim=-1).float())
 
         return hook
 
@@ -218,7 +227,7 @@ def capture(
         with eval_mode(model), torch.no_grad():
             total, done = _known_length(data), 0
             for x, y in iter_batches(data, batch_size):
-                x = x.to(target, non_blocking=True)
+                x = x.to(target, non_blocking=target.type != "cpu")
                 out = guard(model, x)
                 if outputs is not None:
                     if out.ndim == 1:  # a label-returning model
@@ -252,13 +261,13 @@ def capture(
                 f"need exactly one output per input. Fix: name a layer the model calls once per forward pass "
                 f"(not a reused or unused module)."
             )
-        mx, mn = torch.cat(maxima[layer]), torch.cat(means[layer])
+        mx, mn, lo = torch.cat(maxima[layer]), torch.cat(means[layer]), torch.cat(minima[layer])
         if mx.shape[0] != sum(sizes):
             raise MetricError(
                 f"layer {layer!r} produced {mx.shape[0]} rows for {sum(sizes)} inputs; neuron metrics need the "
                 f"batch as the first dimension of the layer's output."
             )
-        bad = ~(torch.isfinite(mx).all(dim=1) & torch.isfinite(mn).all(dim=1))
+        bad = ~(torch.isfinite(mx).all(dim=1) & torch.isfinite(mn).all(dim=1) & torch.isfinite(lo).all(dim=1))
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
             batch, start = 0, 0
@@ -269,7 +278,7 @@ def capture(
                 f"layer {layer!r} produced NaN/inf activations for {int(bad.sum())} of {mx.shape[0]} inputs; the first "
                 f"is input {first} (batch {batch}). Fix: check the model's weights and the inputs' range."
             )
-        result[layer] = LayerActivations(layer, mx, mn, shapes[layer])
+        result[layer] = LayerActivations(layer, mx, mn, shapes[layer], lo)
     return result
 
 

@@ -207,7 +207,8 @@ def _build_plan(c: int, k: int, device: torch.device) -> list[_Chunk]:
         lo, hi = _tuple_offset(c, k, a), _tuple_offset(c, k, a + m)
         if index.numel() != hi - lo:  # pragma: no cover - an internal invariant
             raise RuntimeError(f"chunk plan of c={c}, k={k} at neuron {a} picks {index.numel()} tuples, not {hi - lo}")
-        plan.append(_Chunk(a, m, js, r, lo, hi, index.to(device)))
+        # host-built index: an asynchronous copy, so the first update of a device loop does not wait either
+        plan.append(_Chunk(a, m, js, r, lo, hi, index.to(device, non_blocking=True)))
         a += m
     return plan
 
@@ -376,7 +377,8 @@ class NeuronKActivationEngine(Engine):
         n = acts.shape[0]
         if n == 0:
             return
-        acts = acts.to(self.device, non_blocking=True)
+        # asynchronous only towards an accelerator: a device-to-host copy must complete before the CPU reads it
+        acts = acts.to(self.device, non_blocking=self.device.type != "cpu")
         self.n_inputs += n
         rows = max(1, min(_MAX_PASS_ROWS, _PASS_ELEMS // self.n_neurons))
         for start in range(0, n, rows):

@@ -107,15 +107,29 @@ def occlusion_positions(height: int, width: int, size: Any, stride: Any = 1) -> 
     return starts(height, h, sh), starts(width, w, sw)
 
 
-def occluding_positions(masks: Tensor, size: Any, stride: Any = 1) -> Tensor:
+def _device_positions(height: int, width: int, size: Any, stride: Any, device: torch.device,
+                      positions: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """:func:`occlusion_positions` on ``device``: ``positions`` when given (built once by a caller's loop), else
+    built on the host and copied asynchronously."""
+    if positions is None:
+        positions = occlusion_positions(height, width, size, stride)
+    # towards an accelerator: asynchronous copies (no wait in a device loop); a device-to-host copy stays blocking
+    non_blocking = device.type != "cpu"
+    return positions[0].to(device, non_blocking=non_blocking), positions[1].to(device, non_blocking=non_blocking)
+
+
+def occluding_positions(masks: Tensor, size: Any, stride: Any = 1, *,
+                        positions: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``(N, Ph·Pw)`` bool: the occluder at that position covers at least one mask pixel.
 
     ``masks``: ``(N, H, W)`` bool. One integral image per mask; every position's box sum at once.
+    ``positions``: the occluder's ``(rows, cols)`` from :func:`occlusion_positions` for these
+    masks' size, ``size`` and ``stride``, ideally already on the masks' device (a loop builds them
+    once); built here when None.
     """
     n, height, width = masks.shape
     (h, w) = _pair(size, "size")
-    rows, cols = occlusion_positions(height, width, size, stride)
-    rows, cols = rows.to(masks.device), cols.to(masks.device)
+    rows, cols = _device_positions(height, width, size, stride, masks.device, positions)
     s = torch.zeros((n, height + 1, width + 1), dtype=torch.int64, device=masks.device)
     s[:, 1:, 1:] = masks.to(torch.int64).cumsum(1).cumsum(2)
     top, bottom = s[:, rows], s[:, rows + h]  # (N, Ph, W+1)
@@ -132,15 +146,17 @@ def _probabilities(out: Tensor, outputs: str, cls: Tensor) -> Tensor:
 
 def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: float | str = 0.0,
                    target: Tensor | None = None, outputs: str = "auto", max_batch: int = 4096,
-                   guard: ForwardGuard | None = None, clean_guard: ForwardGuard | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, str]:
+                   guard: ForwardGuard | None = None, clean_guard: ForwardGuard | None = None,
+                   positions: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, str]:
     """Heat maps ``(N, Ph·Pw)`` (float64) of images ``x`` ``(N, …, H, W)``, the class used ``(N,)``, ``p_clean`` and
     what the outputs are (``"logits"`` or ``"probabilities"``, detected when ``outputs="auto"``).
 
     The value at a position is the probability of ``target`` (default: the clean prediction) on
     the image with that position occluded. All ``N·P`` occluded copies go to the model in
     chunks of at most ``max_batch`` images (fewer for large images, see :data:`MAX_ELEMENTS`),
-    through ``guard``; call ``guard.check()`` after the loop.
+    through ``guard``; call ``guard.check()`` after the loop. ``positions``: the occluder's
+    ``(rows, cols)`` as from :func:`occlusion_positions` (ideally on ``x``'s device, built once
+    outside a batch loop); built here when None.
     """
     if not isinstance(x, Tensor) or x.ndim < 3:
         raise DataError(f"occlusion: the images must be a tensor (N, C, H, W) or (N, H, W), got {type(x).__name__} "
@@ -151,7 +167,7 @@ def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: f
     clean_guard = clean_guard or ForwardGuard("occlusion: model on clean images")
     n, height, width = x.shape[0], x.shape[-2], x.shape[-1]
     (h, w) = _pair(size, "size")
-    rows, cols = (t.to(x.device) for t in occlusion_positions(height, width, size, stride))
+    rows, cols = _device_positions(height, width, size, stride, x.device, positions)
     pw, npos = cols.shape[0], rows.shape[0] * cols.shape[0]
     with torch.no_grad():
         out = clean_guard(model, x)
@@ -452,6 +468,10 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
     dev = model_device if model_device is not None else torch.device(device)
     acc = torch.device("cpu") if dev.type == "mps" else dev
     engine = OcclusionEngine(no_hot, empty_mask, device=acc)
+    # the occluder positions on the model's device, once (not one host-to-device copy per batch)
+    positions = (rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True))
+    # copies of the batches towards an accelerator are asynchronous (a device-to-host one must stay blocking)
+    async_copy = dev.type != "cpu"
     clean_guard = ForwardGuard("occlusion: model on clean images")
     guard = ForwardGuard("occlusion: model on occluded images")
     resolved = None if outputs == "auto" else outputs
@@ -467,20 +487,21 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
             if done + b > n_masks:
                 raise _mismatch(f"images ({done + b}+, {', '.join(map(str, x.shape[1:]))})", tuple(m_all.shape),
                                 f"more inputs than the {n_masks} masks")
-            x = x.to(dev)
+            x = x.to(dev, non_blocking=async_copy)
             x = x if x.is_floating_point() else x.to(torch.float32)
             labels = None
             if target == "label":
                 if y is None:
                     raise DataError("occlusion: target='label' needs labelled data (x, y). Fix: give labels or use "
                                     "target='predicted'.")
-                labels = y.to(dev, torch.int64)
+                labels = y.to(dev, torch.int64, non_blocking=async_copy)
                 y_lo = labels.min() if y_lo is None else torch.minimum(y_lo, labels.min())
                 y_hi = labels.max() if y_hi is None else torch.maximum(y_hi, labels.max())
             maps, cls, p_clean, resolved = occlusion_maps(
                 model, x, size=size, stride=stride, fill=fill, target=labels, outputs=resolved or "auto",
-                max_batch=max_batch, guard=guard, clean_guard=clean_guard)
-            occ = occluding_positions(m_all[done:done + b].to(dev), size, stride)
+                max_batch=max_batch, guard=guard, clean_guard=clean_guard, positions=positions)
+            occ = occluding_positions(m_all[done:done + b].to(dev, non_blocking=async_copy), size, stride,
+                                      positions=positions)
             hot = maps < rho
             interpret, occsen = engine.update(hot, occ, start=done, below_rho=p_clean < rho)
             n_hot, n_occ, n_both = interpretation_counts(hot, occ)

@@ -134,7 +134,7 @@ class NeuronPatternEngine(Engine):
         acts = _check_activations(activations, self.n_neurons, validate, "neuron activation pattern")
         if acts.shape[0] == 0:
             return
-        acts = acts.to(self.device, non_blocking=True)
+        acts = acts.to(self.device, non_blocking=self.device.type != "cpu")  # a D2H copy must block
         counts = (acts > self.activation_threshold).sum(1)
         self.histogram.index_add_(0, counts, torch.ones_like(counts))
 

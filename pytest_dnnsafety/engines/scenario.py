@@ -341,7 +341,7 @@ class ScenarioCoverageEngine(Engine):
             )
         if codes.shape[0] == 0:
             return
-        codes = codes.to(self.device, non_blocking=True)
+        codes = codes.to(self.device, non_blocking=self.device.type != "cpu")  # a D2H copy must block
         if validate:
             self._check_codes(codes)
         total = self.layout.total

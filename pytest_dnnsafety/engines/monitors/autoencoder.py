@@ -58,7 +58,7 @@ class Autoencoder(Monitor):
         with eval_mode(self.module), torch.no_grad():
             for index, (x, _) in enumerate(view.batches()):
                 if device is not None:
-                    x = x.to(device, non_blocking=True)
+                    x = x.to(device, non_blocking=device.type != "cpu")
                 try:
                     rec = self.module(x)
                 except Exception as exc:

@@ -226,7 +226,9 @@ class MonitorView:
                 y = y[local] if y is not None else None
             else:
                 start += size
-            yield x.to(target, non_blocking=True), (y.to(target, non_blocking=True).long() if y is not None else None)
+            blocking = target.type == "cpu"  # a copy to the host must finish before it is read
+            yield (x.to(target, non_blocking=not blocking),
+                   y.to(target, non_blocking=not blocking).long() if y is not None else None)
 
     def _gather(self) -> tuple[Tensor, Tensor | None]:
         xs, ys = [], []

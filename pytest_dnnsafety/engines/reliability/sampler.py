@@ -90,7 +90,8 @@ class MonteCarloSampler:
             hi = int(torch.searchsorted(ends, torch.tensor(stop - 1), right=True)) + 1
             cell_ends = ends[lo:hi]
             cell_starts = cell_ends - self._trials[lo:hi]
-        reps = (cell_ends.clamp_max(stop) - cell_starts.clamp_min(start)).to(self.device)
+        # host-built counts: an asynchronous copy (pageable source, consumed before the call returns)
+        reps = (cell_ends.clamp_max(stop) - cell_starts.clamp_min(start)).to(self.device, non_blocking=True)
         count = stop - start
         local = torch.arange(hi - lo, device=self.device).repeat_interleave(reps, output_size=count)
         picked = corners[lo:hi].repeat_interleave(reps, dim=0, output_size=count)  # (B, 2d): lower | width
@@ -125,7 +126,9 @@ class MonteCarloSampler:
 
     def _probe(self, adapter: _ModelAdapter) -> int:
         """One small model call on the first sampled cell's centre: validates the output, returns ``K``."""
-        z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self._sample_dtype()).expand(2, -1)
+        # on the sampling device, like the Monte Carlo batches (the plan's corners may live on the profile's
+        # device, e.g. a CPU profile with device="cuda" and a CUDA model)
+        z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self.device, self._sample_dtype()).expand(2, -1)
         x = self._to_input(z.contiguous())
         x = x.to(self.input_dtype)
         raw = adapter.raw(x)

@@ -202,11 +202,17 @@ def _project(xa: Tensor, x0: Tensor, eps: float, norm: str, clip: tuple[float, f
 
 
 def _draw(kind: str, shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Random numbers with ``generator`` (on its own device, then moved), reproducible per seed."""
+    """Random numbers with ``generator`` (on its own device, then moved), reproducible per seed.
+
+    A CPU generator's numbers (the runners' per-batch generators) go to an accelerator with an
+    asynchronous copy, so a device loop does not wait for the host; the numbers are the same.
+    """
     fn = torch.rand if kind == "rand" else torch.randn
     if generator is None:
         return fn(shape, dtype=like.dtype, device=like.device)
-    return fn(shape, dtype=like.dtype, device=generator.device, generator=generator).to(like.device)
+    drawn = fn(shape, dtype=like.dtype, device=generator.device, generator=generator)
+    # non_blocking only towards an accelerator: a device-to-host copy must complete before the CPU reads it
+    return drawn.to(like.device, non_blocking=like.device.type != "cpu")
 
 
 def _random_start(x0: Tensor, eps: float, norm: str, generator: torch.Generator | None) -> Tensor:
@@ -255,7 +261,7 @@ def _check_args(x: Tensor, y: Tensor, eps: float, norm: str, outputs: str) -> Te
     if y.shape != (x.shape[0],):
         raise MetricError(f"the attacks need one integer label per input: labels of shape {tuple(y.shape)} for "
                           f"inputs of shape {tuple(x.shape)}.")
-    return y.to(device=x.device, dtype=torch.int64)
+    return y.to(device=x.device, dtype=torch.int64, non_blocking=x.device.type != "cpu")
 
 
 # ----------------------------------------------------------------------------- attacks

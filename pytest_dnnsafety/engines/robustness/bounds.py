@@ -249,7 +249,7 @@ class BoundedModel:
         return kind
 
     # ------------------------------------------------------------------ building the ops
-    def _prepare(self, x_lo: Tensor, x_hi: Tensor) -> BoundState:
+    def _prepare(self, x_lo: Tensor, x_hi: Tensor, check: bool = True) -> BoundState:
         error = _training_error(self.model)
         if error is not None:
             raise error
@@ -258,32 +258,38 @@ class BoundedModel:
             raise DataError("certified bounds need the input box as two tensors (x_lo, x_hi).")
         dtype = dtype or (x_lo.dtype if x_lo.is_floating_point() else torch.float32)
         device = device or x_lo.device
-        x_lo, x_hi = x_lo.detach().to(device, dtype), x_hi.detach().to(device, dtype)
+        non_blocking = device.type != "cpu"  # towards an accelerator: asynchronous copies
+        x_lo = x_lo.detach().to(device, dtype, non_blocking=non_blocking)
+        x_hi = x_hi.detach().to(device, dtype, non_blocking=non_blocking)
         if x_lo.shape != x_hi.shape or x_lo.ndim < 1 or x_lo.shape[0] == 0:
             raise DataError(f"the input box's bounds have shapes {tuple(x_lo.shape)} and {tuple(x_hi.shape)}; "
                             f"certified bounds need two tensors of one shape (batch, ...) with a non-empty batch.")
-        if not bool(torch.isfinite(x_lo).all() & torch.isfinite(x_hi).all()):
-            raise DataError("the input box holds NaN/inf. Fix: give finite inputs and a finite eps.")
-        if bool((x_lo > x_hi).any()):
-            raise DataError("the input box has x_lo > x_hi somewhere. Fix: build it with input_box(x, eps, clip).")
+        if check:  # the value checks read the box on the host (one sync each on an accelerator)
+            _check_box(x_lo, x_hi)
         ops, out = self._build_ops((x_lo + x_hi) / 2)
         return BoundState(ops, out, x_lo, x_hi, self.max_elements)
 
     # ------------------------------------------------------------------ public bounds
-    def ibp(self, x_lo: Tensor, x_hi: Tensor) -> tuple[Tensor, Tensor]:
-        """Interval bound propagation (Gowal et al. 2018): ``(lo, hi)`` of the output over the box."""
+    def ibp(self, x_lo: Tensor, x_hi: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor]:
+        """Interval bound propagation (Gowal et al. 2018): ``(lo, hi)`` of the output over the box.
+
+        ``check=False`` skips the box's value checks (finite, ``x_lo ≤ x_hi``), which read it on the
+        host: for a device loop that checks its boxes itself (see :func:`box_problems`).
+        """
         with torch.no_grad():
-            state = self._prepare(x_lo, x_hi)
+            state = self._prepare(x_lo, x_hi, check)
             return state.ivs[state.out]
 
-    def crown(self, x_lo: Tensor, x_hi: Tensor, spec: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def crown(self, x_lo: Tensor, x_hi: Tensor, spec: Tensor | None = None, *,
+              check: bool = True) -> tuple[Tensor, Tensor]:
         """CROWN (Zhang et al. 2018): bounds ``(lo, hi)``, each ``(B, K)``, of ``spec·output`` over the box.
 
         ``spec``: ``(B, K, *out_shape)`` (or ``(B, K, out_numel)``; ``(K, ...)`` shared by the batch);
         ``None``: the identity, i.e. bounds of every output ``(B, *out_shape)``. Intersected with IBP.
+        ``check``: as for :meth:`ibp`.
         """
         with torch.no_grad():
-            state = self._prepare(x_lo, x_hi)
+            state = self._prepare(x_lo, x_hi, check)
             spec_t, shared = state.spec(spec)
             k = spec_t.shape[1]
             low = state.lower(state.out, torch.cat([spec_t, -spec_t], dim=1), shared)
@@ -297,25 +303,33 @@ class BoundedModel:
                 return lo.reshape(shape), hi.reshape(shape)
             return lo, hi
 
-    def margin_lower_bounds(self, x_lo: Tensor, x_hi: Tensor, y: Tensor, method: str = "crown") -> Tensor:
+    def margin_lower_bounds(self, x_lo: Tensor, x_hi: Tensor, y: Tensor, method: str = "crown", *,
+                            check: bool = True) -> Tensor:
         """Lower bounds ``(B, classes)`` of ``z_y − z_j`` over the box (``+inf`` at ``j = y``).
 
         ``method="ibp"``: ``lb_y − ub_j``; ``"crown"``: CROWN on the spec ``e_y − e_j``, intersected
         with the IBP margin. All positive in a row ⇒ no input of the box is misclassified.
+
+        ``check=False`` skips the checks that read values on the host (the box's, as for
+        :meth:`ibp`, and the labels' range): for a device loop that checks them itself. Labels
+        outside ``[0, classes)`` are then clamped into it (their rows are meaningless).
         """
         if method not in ("crown", "ibp"):
             raise ConfigError(f"method={method!r} is not one of ['crown', 'ibp'].")
         with torch.no_grad():
-            state = self._prepare(x_lo, x_hi)
+            state = self._prepare(x_lo, x_hi, check)
             out_shape = state.ops[state.out].out_shape
             if len(out_shape) != 1 or out_shape[0] < 2:
                 raise MetricError(f"margin bounds need class scores of shape (batch, classes); the model returns "
                                   f"per-sample shape {out_shape}. Fix: return one row of class scores per input.")
             n = out_shape[0]
-            y = torch.as_tensor(y).to(device=state.x_lo.device, dtype=torch.int64)
-            if y.shape != (state.batch,) or bool(((y < 0) | (y >= n)).any()):
+            device = state.x_lo.device
+            y = torch.as_tensor(y).to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
+            if y.shape != (state.batch,) or (check and bool(((y < 0) | (y >= n)).any())):
                 raise DataError(f"margin bounds need one label in [0, {n}) per input; got labels of shape "
                                 f"{tuple(y.shape)} for {state.batch} inputs.")
+            if not check:  # an index out of range would be a device-side assert on CUDA
+                y = y.clamp(0, n - 1)
             lo, hi = state.ivs[state.out]
             margins = lo.gather(1, y[:, None]) - hi
             if method == "crown":
@@ -408,7 +422,7 @@ def _arith(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inpu
         const = others[0]
     if isinstance(const, bool) or not isinstance(const, (int, float, Tensor)):
         raise _unsupported(item.label, f"combines the tensor with a {type(const).__name__}")
-    c = torch.as_tensor(const).detach().to(device=device, dtype=dtype)
+    c = torch.as_tensor(const).detach().to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
     full = (1, *out_shape)
     if c.ndim > len(full) or torch.broadcast_shapes(c.shape, full) != full:
         raise _unsupported(item.label, f"uses a constant of shape {tuple(c.shape)} that does not broadcast to "
@@ -428,11 +442,43 @@ def _arith(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inpu
     return AffineOp(item.label, inputs, in_shapes, out_shape, scale, shift)
 
 
-def input_box(x: Tensor, eps: float, clip: tuple[float, float] | None = None) -> tuple[Tensor, Tensor]:
+def _check_box(x_lo: Tensor, x_hi: Tensor) -> None:
+    """DataError for a box with NaN/inf or ``x_lo > x_hi`` somewhere (reads it on the host)."""
+    if not bool(torch.isfinite(x_lo).all() & torch.isfinite(x_hi).all()):
+        raise DataError("the input box holds NaN/inf. Fix: give finite inputs and a finite eps.")
+    if bool((x_lo > x_hi).any()):
+        raise DataError("the input box has x_lo > x_hi somewhere. Fix: build it with input_box(x, eps, clip).")
+
+
+def outside_clip(x: Tensor, clip: tuple[float, float] | None) -> Tensor:
+    """How many values of ``x`` lie outside ``clip`` (a 0-d int64 tensor on ``x``'s device; no host sync)."""
+    if clip is None:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    low, high = (float(v) for v in clip)
+    return ((x < low) | (x > high)).sum()
+
+
+def outside_clip_error(count: int, clip: tuple[float, float] | None) -> DataError:
+    """The DataError :func:`input_box` raises for ``count`` input values outside ``clip``."""
+    return DataError(f"{count} input value(s) lie outside the valid range clip={clip!r}; the ball around them would "
+                     f"not contain them. Fix: give the range the data lives in.")
+
+
+def box_problems(x_lo: Tensor, x_hi: Tensor) -> Tensor:
+    """A 0-d bool tensor: the box holds NaN/inf or ``x_lo > x_hi`` somewhere (no host sync).
+
+    What :meth:`BoundedModel.ibp` checks unless ``check=False``, for a loop that reads it once afterwards.
+    """
+    return ~(torch.isfinite(x_lo).all() & torch.isfinite(x_hi).all()) | (x_lo > x_hi).any()
+
+
+def input_box(x: Tensor, eps: float, clip: tuple[float, float] | None = None, *,
+              check: bool = True) -> tuple[Tensor, Tensor]:
     """The L∞ ball ``[x − ε, x + ε]`` intersected with the valid range ``clip = (low, high)``.
 
     Raises :class:`ConfigError` when ``eps`` is negative or not finite, :class:`DataError` when an
-    input lies outside ``clip`` (its ball would not contain it).
+    input lies outside ``clip`` (its ball would not contain it). ``check=False`` skips that last
+    check, which reads ``x`` on the host: for a device loop that counts :func:`outside_clip` itself.
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ConfigError(f"eps={eps!r} is not a finite non-negative radius.")
@@ -442,9 +488,9 @@ def input_box(x: Tensor, eps: float, clip: tuple[float, float] | None = None) ->
     lo, hi = x - eps, x + eps
     if clip is not None:
         low, high = (float(v) for v in clip)
-        outside = (x < low) | (x > high)
-        if bool(outside.any()):
-            raise DataError(f"{int(outside.sum())} input value(s) lie outside the valid range clip={clip!r}; the "
-                            f"ball around them would not contain them. Fix: give the range the data lives in.")
+        if check:
+            outside = (x < low) | (x > high)
+            if bool(outside.any()):
+                raise outside_clip_error(int(outside.sum()), clip)
         lo, hi = lo.clamp(min=low), hi.clamp(max=high)
     return lo, hi

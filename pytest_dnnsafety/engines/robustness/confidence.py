@@ -294,10 +294,11 @@ def assess_adversarial_confidence(
             if y.shape != (x.shape[0],):
                 raise DataError(f"adversarial confidence: labels of shape {tuple(y.shape)} for inputs of shape "
                                 f"{tuple(x.shape)}; expected one class index per input.")
-            x = x.to(target)
+            # asynchronous copies towards an accelerator (a device-to-host copy must stay blocking)
+            x = x.to(target, non_blocking=target.type != "cpu")
             if not x.is_floating_point():
                 x = x.to(torch.float32)
-            y = y.to(target, torch.int64)
+            y = y.to(target, torch.int64, non_blocking=target.type != "cpu")
             n = x.shape[0]
             # running ranges, checked after the loop (one host sync)
             xmin, xmax, ymin, ymax = x.amin(), x.amax(), y.amin(), y.amax()

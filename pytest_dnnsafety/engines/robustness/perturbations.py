@@ -156,7 +156,7 @@ class Family(abc.ABC):
                               f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}.")
         if self.spatial:
             _images(x, self.name)
-        y = torch.as_tensor(y).to(device=x.device, dtype=torch.int64)
+        y = torch.as_tensor(y).to(device=x.device, dtype=torch.int64, non_blocking=x.device.type != "cpu")
         own = guard is None
         if guard is None:
             guard = ForwardGuard(f"perturbation family {self.name!r}: model on perturbed inputs")
@@ -267,8 +267,9 @@ class _Warp(Family):
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         imgs = _images(x, self.name)
         h, w = imgs.shape[-2:]
-        candidates = [self._clamp(_warp(imgs, torch.tensor(theta, device=x.device), self.fill).reshape(x.shape))
-                      for theta in self._thetas(eps, h, w)]
+        # all candidate maps built on the host at once, then one asynchronous copy (a device loop does not wait)
+        thetas = torch.tensor(self._thetas(eps, h, w)).to(x.device, non_blocking=True)
+        candidates = [self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)) for theta in thetas]
         return worst_of(model, y, candidates, outputs, guard)
 
 

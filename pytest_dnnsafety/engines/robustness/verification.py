@@ -46,6 +46,9 @@ UNKNOWN, VERIFIED, FALSIFIED = 0, 1, 2
 METHODS = ("crown", "ibp")
 #: At most this many counterexamples are kept in a result.
 MAX_COUNTEREXAMPLES = 5
+#: verify_robustness's input checks: raised at their batch (True) or read once after the loop (False); None: at
+#: their batch on the CPU only, where reading a value costs no synchronisation.
+_EAGER_CHECKS: bool | None = None
 
 # Bins of the certified-margin histogram (for the median of a merged engine): ±10^-6 … ±10^4,
 # 40 bins per decade (±3% of the value), with under/overflow bins at both ends.
@@ -169,19 +172,22 @@ class VerificationEngine(Engine):
         if verdicts.ndim != 1 or verdicts.is_floating_point() or verdicts.dtype == torch.bool:
             raise MetricError(f"verdicts must be a 1-D integer tensor of codes {UNKNOWN}/{VERIFIED}/{FALSIFIED}, "
                               f"got {verdicts.dtype} of shape {tuple(verdicts.shape)}")
-        verdicts = verdicts.to(self.device)
+        verdicts = verdicts.to(self.device, non_blocking=self.device.type != "cpu")
         self.verified = self.verified + (verdicts == VERIFIED).sum()
         self.falsified = self.falsified + (verdicts == FALSIFIED).sum()
         self.unknown = self.unknown + (verdicts == UNKNOWN).sum()
         self.n = self.n + verdicts.numel()
         if margins is not None:
-            margins = torch.as_tensor(margins).detach().to(self.device, torch.float64).reshape(-1)
+            margins = torch.as_tensor(margins).detach().to(self.device, torch.float64,
+                                                           non_blocking=self.device.type != "cpu").reshape(-1)
             if margins.numel() != verdicts.numel():
                 raise MetricError(f"{margins.numel()} margins for {verdicts.numel()} verdicts")
             if margins.numel():
                 self.margin_min = torch.minimum(self.margin_min, margins.min())
                 bins = torch.bucketize(margins, self._edges)
-                self.margin_hist = self.margin_hist + torch.bincount(bins, minlength=self.margin_hist.numel())
+                # a fixed-size histogram: torch.bincount would read the largest bin on the host (a sync on CUDA)
+                hist = torch.zeros_like(self.margin_hist).index_add_(0, bins, torch.ones_like(bins))
+                self.margin_hist = self.margin_hist + hist
 
     def _median_estimate(self) -> float:
         hist = self.margin_hist.cpu()
@@ -243,13 +249,22 @@ def verify_robustness(
     attack point predicted as another class (checked by a forward pass) falsifies its input.
     ``device`` is used only for a model without parameters (the model's own device wins).
 
+    Host synchronisation: on an accelerator each batch synchronises once to select the undecided
+    inputs (their count sizes the PGD batch, which spares the attack on every verified or
+    misclassified input), and with ``method="crown"`` CROWN reads its counts of unstable neurons
+    a few times (see :data:`~pytest_dnnsafety.engines.robustness.bounds_crown.HOST_SIZING`; with
+    it ``False``, or with ``"ibp"``, the selection is the only one). Every check (inputs inside
+    ``clip``, finite boxes, labels in range, sound bounds) is kept on the device and read once
+    after the loop, the earliest failing batch reported as it would have been had the loop
+    stopped there. On the CPU the input checks raise at their batch.
+
     Raises :class:`ConfigError` for a bad ``eps`` (≤ 0, NaN, inf), ``method``, ``clip``,
     ``batch_size``, ``seed`` or ``attack_steps``; :class:`DataError` for unlabelled or empty data,
     labels out of range, inputs outside ``clip``;
     :class:`~pytest_dnnsafety.engines.robustness.bounds.UnsupportedLayerError` for a model the
     bounds cannot handle; :class:`MetricError` when the model fails or returns NaN/inf.
     """
-    from .bounds import BoundedModel, input_box
+    from .bounds import BoundedModel, box_problems, input_box, outside_clip, outside_clip_error
 
     eps = _check_eps(eps)
     method = _check_method(method)
@@ -269,6 +284,12 @@ def verify_robustness(
     bad_labels = torch.full((), -1, dtype=torch.int64, device=target)
     unsound = torch.full((), -1, dtype=torch.int64, device=target)
     overlap = torch.zeros((), dtype=torch.bool, device=target)
+    # On an accelerator the input checks are deferred too (a host read per batch would be a sync): the first
+    # batch with values outside clip (and how many), the first with a NaN/inf box. On the CPU they raise at once.
+    eager = target.type == "cpu" if _EAGER_CHECKS is None else _EAGER_CHECKS
+    bad_clip = torch.full((), -1, dtype=torch.int64, device=target)
+    bad_clip_count = torch.zeros((), dtype=torch.int64, device=target)
+    bad_box = torch.full((), -1, dtype=torch.int64, device=target)
     examples: dict[str, Tensor] | None = None  # the first MAX_COUNTEREXAMPLES falsified inputs
     n_classes = 0
     total, done = known_length(data) or 0, 0
@@ -279,8 +300,8 @@ def verify_robustness(
         if y.shape != (x.shape[0],) or y.is_floating_point() or y.is_complex():
             raise DataError(f"certified robustness needs one integer class label per input; got labels of shape "
                             f"{tuple(y.shape)} ({y.dtype}) for inputs of shape {tuple(x.shape)}.")
-        x = x.to(target, dtype or (x.dtype if x.is_floating_point() else torch.float32))
-        y = y.to(target, torch.int64)
+        x = x.to(target, dtype or (x.dtype if x.is_floating_point() else torch.float32), non_blocking=not eager)
+        y = y.to(target, torch.int64, non_blocking=not eager)
         with torch.no_grad():
             logits = guard(model, x)
         n_classes = logits.shape[1]
@@ -288,8 +309,14 @@ def verify_robustness(
         y = y.clamp(0, n_classes - 1)  # an out-of-range label is reported after the loop
         pred = logits.argmax(dim=1)
         wrong = pred != y
-        lo, hi = input_box(x, eps, clip)
-        margins = bounded.margin_lower_bounds(lo, hi, y, method)
+        if not eager:
+            count = outside_clip(x, clip)
+            bad_clip_count = torch.where(bad_clip < 0, count, bad_clip_count)
+            bad_clip = _first(bad_clip, count > 0, index)
+        lo, hi = input_box(x, eps, clip, check=eager)
+        if not eager:
+            bad_box = _first(bad_box, box_problems(lo, hi), index)
+        margins = bounded.margin_lower_bounds(lo, hi, y, method, check=eager)
         clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
         unsound = _first(unsound, (torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs()))).any(),
                          index)
@@ -300,7 +327,7 @@ def verify_robustness(
         found_pred = pred.clone()
         # Only the undecided inputs are attacked: selecting them reads their count (the one sync per batch),
         # which spares PGD on every verified or already misclassified input.
-        todo = torch.nonzero(~verified & ~wrong).squeeze(1)
+        todo = torch.nonzero(~verified & ~wrong).squeeze(1)  # the one host sync of the batch
         if attack_steps > 0 and todo.numel():
             from .attacks import pgd
 
@@ -311,18 +338,23 @@ def verify_robustness(
             with torch.no_grad():
                 pa = attack_guard(model, xa).argmax(dim=1)
             hit = pa != y[todo]
-            falsified[todo[hit]] = True
-            found[todo[hit]] = xa[hit]
-            found_pred[todo[hit]] = pa[hit]
+            # scattered by the (long) indices todo, not a boolean mask (which would read its count on the host)
+            falsified[todo] = falsified[todo] | hit
+            found[todo] = torch.where(hit.reshape((-1,) + (1,) * (xa.ndim - 1)), xa.to(found.dtype), found[todo])
+            found_pred[todo] = torch.where(hit, pa, found_pred[todo])
         overlap = overlap | (verified & falsified).any()
-        codes = torch.full_like(y, UNKNOWN)
-        codes[verified] = VERIFIED
-        codes[falsified] = FALSIFIED
+        codes = torch.full_like(y, UNKNOWN).masked_fill_(verified, VERIFIED).masked_fill_(falsified, FALSIFIED)
         engine.update(codes, worst)
         margins_seen.append(worst.detach())
         examples = _first_falsified(examples, falsified, done, x, found, y, found_pred, wrong)
         done += int(x.shape[0])
         progress.tick(done, total, "inputs")
+    if not eager and done:  # the deferred input checks: the earliest failing batch, as the CPU would raise it
+        first_clip, clip_count, first_box = torch.stack([bad_clip, bad_clip_count, bad_box]).tolist()
+        if first_clip >= 0 and (first_box < 0 or first_clip <= first_box):
+            raise outside_clip_error(int(clip_count), clip)
+        if first_box >= 0:
+            raise DataError("the input box holds NaN/inf. Fix: give finite inputs and a finite eps.")
     guard.check()
     attack_guard.check()
     if done == 0:
