@@ -322,3 +322,32 @@ def test_fault_names_match_the_engine() -> None:
     from pytest_dnnsafety.gates.monitors import FAULT_GROUP_NAMES
 
     assert FAULT_GROUP_NAMES == FAULT_GROUPS
+
+
+def test_fault_data_fixture_gives_the_gates_fault_sets(gate_project: GateProject, files: Path) -> None:
+    """A plain test reads the same seeded fault set a gate evaluates (one object, shared through the session)."""
+    project = _project(gate_project, files, {"noise": 'min_monitor_detection(-1, monitor="msp", '
+                                                      'faults="gaussian_noise", severity=3)'})
+    gate_project.tests(textwrap.dedent("""
+        import pytest
+        import torch
+
+
+        @pytest.mark.min_monitor_detection(-1, monitor="msp", faults="gaussian_noise", severity=3)
+        def test_noise(model, dataset):
+            pass
+
+
+        def test_plain(fault_data, dataset):
+            noisy = fault_data("gaussian_noise", 3)
+            x, y = dataset.tensors
+            assert noisy.tensors[0].shape == x.shape and torch.equal(noisy.tensors[1], y)
+            assert 0.02 < float((noisy.tensors[0] - x).abs().mean()) < 0.2
+            assert fault_data("gaussian_noise", 3) is noisy
+            assert float(noisy.tensors[0].min()) >= 0.0 and float(noisy.tensors[0].max()) <= 1.0
+            with pytest.raises(pytest.fail.Exception, match="severity"):
+                fault_data("gaussian_noise", 7)
+    """))
+    result = project.run("--dnnsafety-json=evidence.json")
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=2)
