@@ -1,7 +1,8 @@
 """Gate markers: the mechanism (:mod:`.core`, :mod:`.evaluation`) and one module per built-in family.
 
 Each family module (:mod:`.coverage`, :mod:`.neurons`, :mod:`.reliability`,
-:mod:`.robustness`, :mod:`.performance`, :mod:`.confusion`, :mod:`.interpretability`, :mod:`.monitors`) is a pytest plugin that
+:mod:`.robustness`, :mod:`.performance`, :mod:`.confusion`, :mod:`.interpretability`, :mod:`.monitors`,
+:mod:`.inspection`) is a pytest plugin that
 registers its gates through the ``pytest_dnnsafety_register_gates`` hook, exactly as a user's
 ``conftest.py`` or an installed plugin does. Adding a built-in family is one new module and one line
 in :data:`BUILTIN_FAMILIES`; the plugin registers every module listed there.
@@ -54,6 +55,7 @@ BUILTIN_FAMILIES = (
     "pytest_dnnsafety.gates.confusion",
     "pytest_dnnsafety.gates.interpretability",
     "pytest_dnnsafety.gates.monitors",
+    "pytest_dnnsafety.gates.inspection",
 )
 
 
