@@ -59,3 +59,11 @@ def monitors():
         "oob": OutsideTheBox(layer="classifier.1", clusters=3, enlarge=0.1),
         "mahalanobis": Mahalanobis(layer="classifier.1"),
     }
+
+
+@pytest.fixture(scope="session")
+def first_100_digits(dataset):
+    """The first 100 evaluation images: the safe-radius search polls 128 directions per step, so the
+    gate runs on a sample (every image costs about 50,000 forward evaluations on a CPU)."""
+    x, y = dataset.tensors
+    return torch.utils.data.TensorDataset(x[:100], y[:100])

@@ -65,3 +65,14 @@ def test_most_digits_are_provably_robust(model, dataset):
     broken). Interval bounds (method="ibp") prove only 1 of the 539 for this network: CROWN's linear
     relaxation is what makes the proof possible without certified training.
     """
+
+
+@pytest.mark.min_safe_radius(0.001, d=0.05, expression="top_vs_runner_up", norm="linf", iterations=10,
+                             certified="crown", data="first_100_digits")
+def test_decisions_keep_a_safe_margin_around_each_digit(model, first_100_digits):
+    """DeepQuant: for each of 100 digits, the estimated L∞ radius within which the top class keeps its lead
+    (s(x) / Q, Q the Lipschitz metric of the margin found by pattern search) is at least 0.001.
+
+    An estimate: the search finds a lower bound on Q, so it may overstate the radius; the details give the
+    radius CROWN proves beside it and the worst digits with the x̂ found.
+    """

@@ -2,7 +2,7 @@
 
 Each family module (:mod:`.coverage`, :mod:`.neurons`, :mod:`.reliability`,
 :mod:`.robustness`, :mod:`.performance`, :mod:`.confusion`, :mod:`.interpretability`, :mod:`.monitors`,
-:mod:`.inspection`) is a pytest plugin that
+:mod:`.inspection`, :mod:`.quantification`) is a pytest plugin that
 registers its gates through the ``pytest_dnnsafety_register_gates`` hook, exactly as a user's
 ``conftest.py`` or an installed plugin does. Adding a built-in family is one new module and one line
 in :data:`BUILTIN_FAMILIES`; the plugin registers every module listed there.
@@ -56,6 +56,7 @@ BUILTIN_FAMILIES = (
     "pytest_dnnsafety.gates.interpretability",
     "pytest_dnnsafety.gates.monitors",
     "pytest_dnnsafety.gates.inspection",
+    "pytest_dnnsafety.gates.quantification",
 )
 
 

@@ -1,0 +1,140 @@
+"""Built-in gate family: DeepQuant safety quantification (``min_safe_radius``; seed 004, METRICS.md §11).
+
+The engine is :func:`~pytest_dnnsafety.engines.quantification.quantify_safety`: per input a
+safety expression ``s`` (a confidence interval, the uncertainty KL(uniform ‖ f), or the
+reachability of a label), a derivative-free pattern search (GPS or MADS polls, batched over
+inputs) for the Lipschitzian metric ``Q`` over the ball ``B(x, d, p) ∩ clip``, and the safe-radius
+*estimate* ``d' = s(x)/Q ≤ d``. The gate compares a lower quantile of the per-input estimates
+(``quantile=0``: the minimum) with the threshold, in input units.
+
+The search finds a lower bound on ``Q``, so ``d'`` may overstate the true safe radius: it is an
+estimate, never a proof. Where the certified bounds cover the model (``certified=True``: CROWN;
+``"ibp"``: interval bounds), the details hold a *proved* lower bound on every input's L∞ safe
+radius beside it (the same quantile, the minimum and median); a model the bounds do not cover
+gives ``certified: None`` and the reason, not an error. The details list the worst inputs with
+the point ``x̂`` the search found. No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+
+__all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gates"]
+
+#: The safety expressions (:data:`..engines.quantification.EXPRESSIONS`; a test keeps the two equal). Spelled out
+#: here so that checking a marker at collection imports no torch.
+EXPRESSION_NAMES = ("top_vs_runner_up", "top_vs_label", "top_vs_least", "uncertainty", "reachability")
+
+
+def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The ``quantile`` of the per-input safe-radius estimates d' = s(x)/Q (DeepQuant, Theorem 1)."""
+    from ..engines.quantification import quantify_safety
+    from ..outputs import eval_mode
+
+    opts = spec.options
+    certified = opts["certified"]
+    method = "crown" if certified is True else (None if certified is False else certified)
+    clip = None if opts["clip"] is None else (float(opts["clip"][0]), float(opts["clip"][1]))
+    with eval_mode(fx["model"]):
+        result = quantify_safety(
+            fx["model"], fx["data"], opts["expression"], d=float(opts["d"]), label=opts["label"],
+            eps=float(opts["eps"]), norm=opts["norm"], method=opts["method"], iterations=opts["iterations"],
+            starts=opts["starts"], clip=clip, quantile=float(opts["quantile"]), certified=method,
+            worst=opts["worst"], seed=ctx.seed, batch_size=ctx.batch_size, device=ctx.device,
+            outputs=opts["outputs"], expansion=float(opts["expansion"]), contraction=float(opts["contraction"]),
+            mesh_tol=float(opts["mesh_tol"]), bisection_steps=opts["certified_steps"])
+    return Measurement(value=result.value, detail=result.detail(), details=result.to_details(),
+                       contradiction=result.contradiction)
+
+
+# ------------------------------------------------------------------------------------- marker keywords
+
+
+def _positive(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value < math.inf else f"{value!r} must be a positive finite number"
+
+
+def _non_negative(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 <= value < math.inf else f"{value!r} must be a finite number >= 0"
+
+
+def _label(value: Any) -> str | None:
+    return None if value is None or value >= 0 else f"{value!r} is not a class index (an integer >= 0)"
+
+
+def _certified(value: Any) -> str | None:
+    return None if isinstance(value, bool) or value in ("crown", "ibp") else (
+        f"{value!r} is not True, False, 'crown' or 'ibp'")
+
+
+def _expansion(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 1 <= value < math.inf else f"{value!r} must be a finite number >= 1"
+
+
+def _contraction(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value < 1 else f"{value!r} must lie strictly between 0 and 1"
+
+
+MIN_SAFE_RADIUS = GateDef(
+    marker="min_safe_radius",
+    metric="safe radius estimate",
+    op=">=",
+    threshold_range=(0.0, math.inf),
+    params=(
+        Param("expression", (str,), "top_vs_runner_up", one_of(*EXPRESSION_NAMES),
+              "name a safety expression: " + ", ".join(EXPRESSION_NAMES)),
+        Param("label", (int, type(None)), None, _label,
+              "give the class index for top_vs_label (required) or reachability (default: each input's top class)"),
+        Param("norm", (str,), "linf", one_of("linf", "l2", "l1"), "use 'linf', 'l2' or 'l1'"),
+        Param("d", (int, float), REQUIRED, _positive,
+              "give the ball's radius in input units as a positive number, e.g. d=0.1 for inputs in [0, 1]"),
+        Param("eps", (int, float), 0.0, _non_negative,
+              "give the required margin ε >= 0 (a probability for the confidence intervals and reachability, "
+              "a KL divergence in nats for uncertainty), e.g. eps=0.0"),
+        Param("quantile", (int, float), 0.0, in_range(0.0, 1.0),
+              "give the quantile of the per-input estimates to gate, in [0, 1] (0: the minimum)"),
+        Param("method", (str,), "gps", one_of("gps", "mads"),
+              "use 'gps' (coordinate polls) or 'mads' (random orthogonal polls)"),
+        Param("iterations", (int,), 100, in_range(1, 1_000_000),
+              "give the most polls per search, e.g. iterations=100 (the authors used 1500)"),
+        Param("starts", (int,), 2, in_range(1, 64),
+              "give the searches per input, e.g. starts=2 (from x with a coarse and a fine mesh; more add random "
+              "start points)"),
+        Param("clip", (list, tuple, type(None)), (0.0, 1.0), is_interval,
+              "give the inputs' valid range, e.g. clip=(0, 1), or None for no range"),
+        Param("certified", (bool, str), True, _certified,
+              "True (CROWN bounds), 'ibp' (interval bounds) or False (no certified radius)"),
+        Param("certified_steps", (int,), 10, in_range(0, 40),
+              "give the bisection steps of the certified radius, e.g. certified_steps=10 (resolution d/1024)"),
+        Param("worst", (int,), 5, in_range(0, 1000), "give how many of the worst inputs the details list"),
+        Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
+              "say what the model returns: auto (detected), logits or probabilities"),
+        Param("expansion", (int, float), 1.3, _expansion, "give the mesh expansion on success, e.g. 1.3"),
+        Param("contraction", (int, float), 0.8, _contraction, "give the mesh contraction on failure, e.g. 0.8"),
+        Param("mesh_tol", (int, float), 1e-5, _positive, "give the mesh size at which a search stops, e.g. 1e-5"),
+    ),
+    fixtures={"model": "model", "data": "dataset"},
+    measure=_measure_safe_radius,
+    doc="fail unless the `quantile` (default: the minimum) of the per-input safe-radius estimates d' = s(x)/Q "
+        "reaches `threshold` (input units); Q is the Lipschitzian metric of the safety expression found by "
+        "pattern search over the ball of radius d (an estimate; certified L∞ radii beside it where the bounds "
+        "cover the model)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MIN_SAFE_RADIUS)

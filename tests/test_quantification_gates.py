@@ -1,0 +1,183 @@
+"""The DeepQuant gate ``min_safe_radius`` end to end, on real images and a conv model (scikit-learn's digits).
+
+A user project with the example's digits CNN and held-out digits as ``(N, 1, 8, 8)`` images in
+``[0, 1]`` (the gates read the first 40 through a ``small`` fixture, to keep the pattern search
+quick on a CPU). The healthy model passes sensible thresholds with the estimate, the certified
+radii beside it and the worst inputs in the details; a noise-sensitive model (a logit that
+oscillates with the input) fails, its certified part ``None`` with the reason; ``-n 2`` gives the
+same numbers; bad arguments are collection errors, or gate errors naming the fix where only the
+model can tell. The family is passed with ``-p`` until the plugin lists it among its built-ins.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from _digits_project import digits_project, gates_of, write_digits_files
+from conftest import GateProject
+
+PLUGIN: tuple[str, ...] = ()  # the family is built in (registered in gates.BUILTIN_FAMILIES)
+
+SMALL = """
+    from pathlib import Path
+
+    import numpy as np
+    import pytest
+    import torch
+
+
+    @pytest.fixture(scope="session")
+    def small():
+        data = np.load(Path(__file__).parent / "data" / "eval.npz")
+        return torch.as_tensor(data["x"][:40]), torch.as_tensor(data["y"][:40])
+"""
+
+STEEP = """
+    import netdef
+    from torch import nn
+
+
+    class Steep(nn.Module):
+        \"\"\"The digits CNN plus a class-0 logit that oscillates with the sum of the pixels (period ≈ 0.02).\"\"\"
+
+        def __init__(self):
+            super().__init__()
+            self.net = netdef.trained()
+
+        def forward(self, x):
+            z = self.net(x)
+            wobble = 20 * torch.sin(300 * x.flatten(1).sum(dim=1))
+            return z + nn.functional.pad(wobble[:, None], (0, z.shape[1] - 1))
+
+
+    @pytest.fixture(scope="session")
+    def model():
+        return Steep().eval()
+"""
+
+HEALTHY = {
+    "runner_up": "min_safe_radius(0.001, d=0.05, iterations=10, data='small')",
+    "uncertainty": ("min_safe_radius(0.05, expression='uncertainty', eps=0.5, norm='l2', d=0.5, quantile=0.5, "
+                    "method='mads', iterations=10, starts=1, certified='ibp', certified_steps=6, data='small')"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    write_digits_files(root)
+    return root
+
+
+def _project(gate_project: GateProject, files: Path, gates: dict[str, str], conftest: str = "") -> GateProject:
+    return digits_project(gate_project, files, gates, textwrap.dedent(SMALL) + textwrap.dedent(conftest))
+
+
+def _run(project: GateProject, *args: str, subprocess: bool = False) -> pytest.RunResult:
+    return project.run(*PLUGIN, "--dnnsafety-json=evidence.json", *args, subprocess=subprocess)
+
+
+def test_healthy_digits_cnn_passes(gate_project: GateProject, files: Path) -> None:
+    project = _project(gate_project, files, HEALTHY)
+    result = _run(project)
+    assert result.ret == 0, result.stdout.str()
+    gates = gates_of(project)
+    assert {name: g["status"] for name, g in gates.items()} == dict.fromkeys(HEALTHY, "passed")
+    runner_up, unc = gates["runner_up"], gates["uncertainty"]
+    details = runner_up["details"]
+    assert details["n"] == 40 and details["n_applicable"] == 40 and details["quantile"] == 0.0
+    assert 0.001 <= runner_up["value"] <= 0.05
+    assert runner_up["value"] == details["estimate"]["min"]
+    assert details["settings"]["expression"] == "top_vs_runner_up" and details["settings"]["norm"] == "linf"
+    assert details["settings"]["method"] == "gps" and details["settings"]["starts"] == 2
+    cert = details["certified"]
+    assert cert["method"] == "crown" and 0 < cert["min"] <= 0.05 and cert["value"] == cert["min"]
+    worst = details["worst"]
+    assert len(worst) == 5 and worst[0]["estimate"] == runner_up["value"]
+    assert [w["estimate"] for w in worst] == sorted(w["estimate"] for w in worst)
+    for entry in worst:
+        assert 0 <= entry["index"] < 40 and len(entry["x_hat"]) == 64
+        assert entry["linf_distance"] <= 0.05 + 1e-6 and entry["q"] > 0
+        assert entry["certified"] is not None and entry["certified"] <= (entry["unsafe_distance"] or 1.0)
+    assert unc["details"]["settings"]["norm"] == "l2" and unc["details"]["certified"]["method"] == "ibp"
+    assert unc["value"] == pytest.approx(unc["details"]["estimate"]["median"])
+    result.stdout.fnmatch_lines(["*min_safe_radius*"])
+
+
+def test_a_noise_sensitive_model_fails(gate_project: GateProject, files: Path) -> None:
+    project = _project(gate_project, files, {"runner_up": HEALTHY["runner_up"]}, STEEP)
+    result = _run(project)
+    assert result.ret != 0
+    gate = gates_of(project)["runner_up"]
+    assert gate["status"] == "failed" and gate["value"] < 0.001, gate
+    details = gate["details"]
+    assert details["certified"] is None
+    assert "'sum" in details["certified_reason"] and "not supported by certified bounds" in details["certified_reason"]
+    assert details["worst"][0]["q"] > 100  # the search found the steep logit
+
+
+def test_same_seed_same_numbers_and_xdist_agrees(gate_project: GateProject, files: Path) -> None:
+    gates = {**HEALTHY, "mads": "min_safe_radius(0.0, d=0.05, method='mads', iterations=5, starts=3, "
+                                "certified=False, data='small')"}
+    project = _project(gate_project, files, gates)
+    assert _run(project).ret == 0
+    serial = {name: (g["value"], g["details"]) for name, g in gates_of(project).items()}
+    assert _run(project, "-n", "2", subprocess=True).ret == 0
+    parallel = {name: (g["value"], g["details"]) for name, g in gates_of(project).items()}
+    assert parallel == serial
+
+
+RUN_ERRORS = [
+    ("min_safe_radius(0.001, expression='top_vs_label', label=12, d=0.05, iterations=2, data='small')",
+     "*label=12 is not a class of the model: it returns 10 class scores*Fix: give a label in ?0, 9?*"),
+    ("min_safe_radius(0.001, expression='top_vs_label', d=0.05, iterations=2, data='small')",
+     "*expression='top_vs_label' needs label=*Fix: *"),
+    ("min_safe_radius(0.001, expression='uncertainty', label=3, d=0.05, iterations=2, data='small')",
+     "*label=3 is used only by the expressions*Fix: drop label=*"),
+    ("min_safe_radius(0.001, d=0.05, clip=(0, 0.5), iterations=2, data='small')",
+     "*input value(s) lie outside the valid range clip=(0.0, 0.5)*Fix: give the range the data lives in*"),
+    ("min_safe_radius(0.001, d=0.05, eps=2.0, iterations=2, data='small')", "*eps=2.0 exceeds 1*Fix: *"),
+]
+
+
+@pytest.mark.parametrize(("marker", "expected"), RUN_ERRORS, ids=[m.split(", d=")[0] for m, _ in RUN_ERRORS])
+def test_arguments_only_the_model_or_data_can_refuse_are_gate_errors(gate_project: GateProject, files: Path,
+                                                                      marker: str, expected: str) -> None:
+    project = _project(gate_project, files, {"bad": marker})
+    result = _run(project)
+    assert result.ret != 0
+    assert gates_of(project)["bad"]["status"] == "error"
+    result.stdout.fnmatch_lines([expected])
+
+
+BAD_MARKERS = [
+    ("min_safe_radius(0.01, d=0)", "argument d*positive*"),
+    ("min_safe_radius(0.01, d=-0.1)", "argument d*positive*"),
+    ("min_safe_radius(0.01, d=float('nan'))", "argument d*NaN*"),
+    ("min_safe_radius(0.01)", "argument d*missing*"),
+    ("min_safe_radius(0.01, d=0.1, norm='l3')", "argument norm*'l3' is not one of*"),
+    ("min_safe_radius(0.01, d=0.1, expression='margin')", "argument expression*'margin' is not one of*"),
+    ("min_safe_radius(0.01, d=0.1, method='cma')", "argument method*'cma' is not one of*"),
+    ("min_safe_radius(0.01, d=0.1, label=-1)", "argument label*not a class index*"),
+    ("min_safe_radius(0.01, d=0.1, label='7')", "argument label*expected int or None*"),
+    ("min_safe_radius(0.01, d=0.1, quantile=1.5)", "argument quantile*outside*"),
+    ("min_safe_radius(0.01, d=0.1, eps=-0.1)", "argument eps*>= 0*"),
+    ("min_safe_radius(0.01, d=0.1, iterations=0)", "argument iterations*outside*"),
+    ("min_safe_radius(0.01, d=0.1, certified='exact')", "argument certified*'exact' is not True, False*"),
+    ("min_safe_radius(0.01, d=0.1, contraction=1.5)", "argument contraction*strictly between 0 and 1*"),
+    ("min_safe_radius(0.01, d=0.1, expansion=0.5)", "argument expansion*>= 1*"),
+    ("min_safe_radius(0.01, d=0.1, clip=(1, 0))", "argument clip*low < high*"),
+    ("min_safe_radius(-0.01, d=0.1)", "argument threshold*outside*"),
+    ("min_safe_radius(0.01, d=0.1, radius=3)", "argument radius*unknown keyword*"),
+]
+
+
+@pytest.mark.parametrize(("marker", "expected"), BAD_MARKERS, ids=[m for m, _ in BAD_MARKERS])
+def test_bad_marker_arguments_are_collection_errors(gate_project: GateProject, marker: str, expected: str) -> None:
+    gate_project.tests(f"import pytest\n\n@pytest.mark.{marker}\ndef test_x(model, dataset):\n    pass\n")
+    result = gate_project.run(*PLUGIN)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines([f"*@pytest.mark.min_safe_radius: {expected}Fix: *"])
