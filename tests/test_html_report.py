@@ -342,7 +342,8 @@ def _browse(page: Path, evidence: dict[str, Any], shot: Path, tmp_path: Path) ->
         assert all(c.is_displayed() for c in cards)
         expected = sum(len(g["details"].get("pair_grids") or []) + ("per_neuron_coverage" in g["details"])
                        + ("cells_plot" in g["details"]) + ("families" in g["details"])
-                       + ("verified" in g["details"]) for g in gates)
+                       + ("verified" in g["details"]) + ("faults" in g["details"]) + ("ranking" in g["details"])
+                       for g in gates)
         svgs = driver.find_elements(By.CSS_SELECTOR, "figure[data-plot] > svg")
         assert len(svgs) == expected
         for svg in svgs:  # drawn, with a size, and with marks inside
