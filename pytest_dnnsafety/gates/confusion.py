@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, DataError
 from ..hookspecs import hookimpl
 from ..results import Measurement
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
 
 __all__ = ["MAX_WEIGHTED_CONFUSION", "pytest_dnnsafety_register_gates"]
 
@@ -99,14 +99,6 @@ def _severity_spec(value: Any) -> str | None:
     return f"{value!r} is neither a file path, a dict nor a matrix"
 
 
-def _class_names(value: Any) -> str | None:
-    if value is None:
-        return None
-    if len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
-        return "must list at least two non-empty class names (str), in the model's output order"
-    if len(set(value)) != len(value):
-        return "lists a class twice"
-    return None
 
 
 def _non_negative(value: Any) -> str | None:
@@ -123,7 +115,7 @@ MAX_WEIGHTED_CONFUSION = GateDef(
         Param("severity", (str, PurePath, dict, list, tuple, type(None)), None, _severity_spec,
               "give a .toml/.csv file (relative to the rootdir), a dict {'true': {'predicted': weight}} or a K×K "
               "list; leave it out to read the fixture `severity_matrix` (or the one named by severity_matrix=...)"),
-        Param("classes", (list, tuple, type(None)), None, _class_names,
+        Param("classes", (list, tuple, type(None)), None, class_names,
               "list the class names in the model's output order, e.g. classes=['cat', 'dog', 'car']"),
         Param("default", (int, float), 1.0, _non_negative,
               "give the weight of off-diagonal pairs the severity does not list (>= 0; default 1.0)"),

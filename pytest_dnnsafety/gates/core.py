@@ -26,7 +26,7 @@ from ..results import Measurement
 __all__ = [
     "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "Param", "GateDef", "GateSpec", "GateContext",
     "GateRegistry", "GateDefinitionError", "parse_marker", "resolve_optional", "in_range", "one_of",
-    "check_where", "is_finite", "is_interval",
+    "check_where", "is_finite", "is_interval", "class_names",
 ]
 
 
@@ -86,6 +86,17 @@ def is_interval(value: Any) -> str | None:
                                 for c in value) and value[0] < value[1]):
         return None
     return f"{value!r} must be (low, high) with finite low < high"
+
+
+def class_names(value: Any) -> str | None:
+    """A Param check for ``classes=[...]``: at least two distinct non-empty names (None allowed)."""
+    if value is None:
+        return None
+    if len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
+        return "must list at least two non-empty class names (str), in the model's output order"
+    if len(set(value)) != len(value):
+        return "lists a class twice"
+    return None
 
 
 def check_where(value: Any) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
 
 __all__ = ["MAX_CLASS_CONFUSION", "MAX_CLASS_BIAS", "pytest_dnnsafety_register_gates"]
 
@@ -143,14 +143,6 @@ def _share(value: Any) -> str | None:
     return None if 0 < value <= 1 else f"{value!r} is outside (0, 1]"
 
 
-def _class_names(value: Any) -> str | None:
-    if value is None:
-        return None
-    if len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
-        return "must list at least two non-empty class names (str), in the model's output order"
-    if len(set(value)) != len(value):
-        return "lists a class twice"
-    return None
 
 
 _LAYER = Param("layer", (str,), REQUIRED, _is_layer,
@@ -163,7 +155,7 @@ _REDUCE = Param("reduce", (str,), "mean", one_of("mean", "max"),
 _RULE = Param("rule", (str,), "std", one_of("std", "top"),
               "use 'std' (mean ∓ 1·std over the pairs, the paper's) or 'top' (the top_share most suspicious pairs)")
 _TOP_SHARE = Param("top_share", (int, float), 0.01, _share, "use a share in (0, 1], e.g. top_share=0.01 (1 %)")
-_CLASSES = Param("classes", (list, tuple, type(None)), None, _class_names,
+_CLASSES = Param("classes", (list, tuple, type(None)), None, class_names,
                  "list the class names in the model's output order, e.g. classes=['cat', 'dog', 'car']")
 _UNPREDICTED = Param("unpredicted", (str,), "error", one_of("error", "exclude"),
                      "use 'error' (a class never predicted fails the gate as an error) or 'exclude'")
