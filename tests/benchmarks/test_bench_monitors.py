@@ -5,8 +5,9 @@ on 1,000 digits and scored on 10,000 (the 1,797 digits repeated) with the digits
 through :func:`~pytest_dnnsafety.engines.monitors.measure_overhead`: the model's forward pass per
 input, and what the monitor adds once the shared pass is cached (output and feature monitors only
 their arithmetic; ODIN its forward + input-gradient backward + second forward). The ratio is the
-monitor's cost in forward-pass equivalents; ODIN's must stay within 3 (its two forwards and one
-backward on a small CNN). Ratios go to ``benchmark.extra_info`` and are printed.
+monitor's cost in forward-pass equivalents (ODIN: two forwards and one input-gradient backward, so
+about 3 on a CPU; reported, never asserted: wall-clock ratios depend on the machine and its load).
+Ratios go to ``benchmark.extra_info`` and are printed.
 
 Batched vs naive: the Mahalanobis and outside-the-box scores of the 10,000 inputs as matrix
 products over all inputs, classes and boxes, against a per-input Python loop (each input's distance
@@ -61,8 +62,6 @@ def test_bench_monitor_overhead(benchmark, name: str) -> None:
     benchmark.extra_info.update({"monitor": name, "images": x.shape[0], **o.to_dict()})
     print(f"\n{name}: monitor {o.monitor_s_per_input * 1e6:.2f} µs/input, model {o.model_s_per_input * 1e6:.2f} "
           f"µs/input, ratio {o.ratio:.3f} forward-equivalents, state {o.state_bytes / 1024:.1f} KiB")
-    if name == "odin" and full:
-        assert o.ratio <= 3.0 * 1.25  # 2 forwards + 1 input-gradient backward; 25 % slack for a busy machine
 
 
 def _mahalanobis_loop(monitor: Mahalanobis, feats: torch.Tensor) -> torch.Tensor:
