@@ -29,6 +29,21 @@ variance of the refitted masses. A refit is a reweighting of the kernels by the 
 counts ``W_bj`` (``Op̂^b = (1/N) Σ_j W_bj φ_H(· − X_j)``), so all ``B`` refits of many cells are
 one matrix product.
 
+Two resample sizes (``size=`` of :meth:`OperationalProfile.bootstrap_weights`, ``bootstrap_size=``
+of :func:`~pytest_dnnsafety.engines.reliability.assess_reliability`):
+
+* ``"full"`` (default) — the standard (Efron) bootstrap: each refit draws ``N`` of the ``N``
+  points. Its variance estimates the variance of the masses of the ``N``-point KDE, the masses
+  the assessment actually uses, so it is the default.
+* ``"half"`` — an m-out-of-n bootstrap with ``m = ⌊N/2⌋``: each refit draws ``N/2`` points, the
+  counts scaled by ``N/m`` so a refit's kernel weights still sum to ``N`` (masses stay on the
+  same scale and normalised). This is what the paper's reference implementation does (refits on
+  half-size resamples, ``B = 100``). It estimates the variance of a KDE fitted on ``N/2`` points;
+  a KDE cell mass is a mean over kernels, so its variance scales as ``1/N`` and the half-size
+  refits over-state ``V[Op_i]`` of the ``N``-point KDE by about 2× (measured: median ratio over
+  cells ≈ 2, ``tests/test_profile.py``). Offered to reproduce the paper's figures, not because it
+  is more accurate; it is more conservative.
+
 Latent spaces: ``encoder`` maps inputs ``(N, …)`` to ``(N, d)`` and ``decoder`` maps back; the
 KDE and the cells live in the latent space, while the model is queried on decoded inputs.
 :class:`PCA` is a ready-made pair (``decode`` = inverse PCA).
@@ -46,16 +61,35 @@ from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, DataError
 
-__all__ = ["OperationalProfile", "PCA", "BANDWIDTH_RULES", "as_tensor_2d"]
+__all__ = ["OperationalProfile", "PCA", "BANDWIDTH_RULES", "BOOTSTRAP_SIZES", "MASS_METHODS", "as_tensor_2d",
+           "canonical_mass"]
 
 #: Bandwidth rules (scipy.stats.gaussian_kde's names).
 BANDWIDTH_RULES: tuple[str, ...] = ("scott", "silverman")
+
+#: Bootstrap resample sizes (:meth:`OperationalProfile.bootstrap_weights`): ``"full"`` — the standard
+#: bootstrap, N of N points per refit (default); ``"half"`` — the paper's N/2-point refits.
+BOOTSTRAP_SIZES: tuple[str, ...] = ("full", "half")
 
 #: Kernel × point elements per chunk when evaluating densities/masses (memory bound).
 _CHUNK_ELEMS = 1 << 22
 
 _SQRT2 = math.sqrt(2.0)
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+#: Cell-mass methods: ``"exact"`` (box integral) and ``"centre"`` (the paper's eq. 9); ``"center"``
+#: is accepted as a spelling of ``"centre"`` (:func:`canonical_mass`).
+MASS_METHODS: tuple[str, ...] = ("exact", "centre")
+_MASS_SPELLINGS = {"exact": "exact", "centre": "centre", "center": "centre"}
+
+
+def canonical_mass(method: Any, what: str = "mass") -> str:
+    """``method`` as ``"exact"`` or ``"centre"`` (``"center"`` is the same method), else a :class:`ConfigError`."""
+    if isinstance(method, str) and method in _MASS_SPELLINGS:
+        return _MASS_SPELLINGS[method]
+    raise ConfigError(f"{what} must be 'exact' or 'centre' (the exact box integral, or the paper's eq. 9 centre "
+                      f"approximation; also spelt 'center'), got {method!r}")
 
 
 def as_tensor_2d(data: Any, what: str, *, dtype: torch.dtype = torch.float64,
@@ -394,12 +428,10 @@ class OperationalProfile:
         return self.density((lo + hi) / 2, weights) * volume
 
     def cell_mass(self, lower: Any, upper: Any, method: str = "exact", weights: Tensor | None = None) -> Tensor:
-        """Unnormalised cell masses by ``method`` ``"exact"`` or ``"centre"`` (eq. 9)."""
-        if method == "exact":
+        """Unnormalised cell masses by ``method`` ``"exact"`` or ``"centre"`` (eq. 9; ``"center"`` also works)."""
+        if canonical_mass(method, "mass method") == "exact":
             return self.box_mass(lower, upper, weights)
-        if method == "centre":
-            return self.centre_mass(lower, upper, weights)
-        raise ConfigError(f"mass method must be 'exact' or 'centre' (the paper's eq. 9), got {method!r}")
+        return self.centre_mass(lower, upper, weights)
 
     def axis_factors(self, edges: Sequence[Tensor], method: str = "exact") -> list[Tensor]:
         """For an axis-aligned grid with cell ``edges`` per dimension: per dimension an ``(N, n_k)`` table.
@@ -411,6 +443,7 @@ class OperationalProfile:
         h = self._require_diagonal("grid cell masses")
         if len(edges) != self.dim:
             raise DataError(f"edges must give one edge vector per dimension ({self.dim}), got {len(edges)}")
+        method = canonical_mass(method, "mass method")
         tables = []
         for k, e in enumerate(edges):
             e = e.to(self.device, torch.float64)
@@ -418,38 +451,62 @@ class OperationalProfile:
             if method == "exact":
                 z = (e[None, :] - x) / h[k]
                 tables.append(_ndtr_diff(z[:, :-1], z[:, 1:]))
-            elif method == "centre":
+            else:  # "centre"
                 centre = (e[1:] + e[:-1]) / 2
                 width = e[1:] - e[:-1]
                 z = (centre[None, :] - x) / h[k]
                 tables.append(torch.exp(-0.5 * z * z - _LOG_SQRT_2PI) / h[k] * width[None, :])
-            else:
-                raise ConfigError(f"mass method must be 'exact' or 'centre' (the paper's eq. 9), got {method!r}")
         return tables
 
     # ------------------------------------------------------------------ bootstrap (Appendix A)
-    def bootstrap_weights(self, replicates: int, seed: int = 0) -> Tensor:
-        """Resampling counts ``W`` ``(B, N)`` (float64): how often each point is drawn in refit ``b``."""
+    def bootstrap_weights(self, replicates: int, seed: int = 0, size: str = "full") -> Tensor:
+        """Resampling weights ``W`` ``(B, N)`` (float64): how often each point is drawn in refit ``b``.
+
+        ``size="full"`` (the standard bootstrap): ``N`` draws of ``N``, ``W_bj`` the counts.
+        ``size="half"`` (the paper's reference implementation, an m-out-of-n bootstrap):
+        ``m = max(1, ⌊N/2⌋)`` draws, ``W_bj = (N/m) · count_bj`` so each row still sums to ``N``
+        and ``(1/N) Σ_j W_bj φ_H(· − X_j)`` is the KDE of the ``m`` drawn points. It over-states the
+        variance of the ``N``-point KDE's masses by about ``N/m ≈ 2`` (see the module docstring).
+        Same ``seed`` and ``size``, same weights.
+        """
         if isinstance(replicates, bool) or not isinstance(replicates, int) or replicates < 0:
             raise ConfigError(f"bootstrap must be a non-negative int (number of KDE refits), got {replicates!r}")
+        draws = self._bootstrap_draws(size)
         gen = torch.Generator(device="cpu").manual_seed(int(seed))
-        idx = torch.randint(0, self.n, (replicates, self.n), generator=gen)
+        idx = torch.randint(0, self.n, (replicates, draws), generator=gen)
         counts = torch.zeros(replicates, self.n, dtype=torch.float64)
-        counts.scatter_add_(1, idx, torch.ones(replicates, self.n, dtype=torch.float64))
+        counts.scatter_add_(1, idx, torch.ones(replicates, draws, dtype=torch.float64))
+        if draws != self.n:
+            counts *= self.n / draws
         return counts.to(self.device)
 
+    def _bootstrap_draws(self, size: Any) -> int:
+        """Points drawn per refit for ``size`` (``"full"``: N, ``"half"``: max(1, ⌊N/2⌋)), or a ConfigError."""
+        if size not in BOOTSTRAP_SIZES:
+            raise ConfigError(
+                f"bootstrap_size must be one of {list(BOOTSTRAP_SIZES)} ('full': the standard bootstrap, N of N "
+                f"points per refit; 'half': the paper's N/2-point refits, about 2x the variance), got {size!r}"
+            )
+        return self.n if size == "full" else max(1, self.n // 2)
+
     def bootstrap_masses(self, lower: Any, upper: Any, replicates: int = 100, seed: int = 0,
-                         method: str = "exact") -> Tensor:
-        """Masses of the boxes under ``replicates`` KDE refits (Appendix A): ``(B, M)``."""
-        return self.cell_mass(lower, upper, method, self.bootstrap_weights(replicates, seed))
+                         method: str = "exact", size: str = "full") -> Tensor:
+        """Masses of the boxes under ``replicates`` KDE refits (Appendix A): ``(B, M)``; ``size`` as for
+        :meth:`bootstrap_weights`."""
+        return self.cell_mass(lower, upper, method, self.bootstrap_weights(replicates, seed, size))
 
     def mass_moments(self, lower: Any, upper: Any, replicates: int = 100, seed: int = 0,
-                     method: str = "exact") -> tuple[Tensor, Tensor]:
-        """``E[Op_i]`` (the full-data estimate, eqs. 10/12) and ``V[Op_i] = σ̂²_B`` (eq. 11, App. A), unnormalised."""
+                     method: str = "exact", size: str = "full") -> tuple[Tensor, Tensor]:
+        """``E[Op_i]`` (the full-data estimate, eqs. 10/12) and ``V[Op_i] = σ̂²_B`` (eq. 11, App. A), unnormalised.
+
+        ``size``: ``"full"`` (standard bootstrap) or ``"half"`` (the paper's half-size refits, ≈ 2× the
+        variance); see :meth:`bootstrap_weights`.
+        """
         mean = self.cell_mass(lower, upper, method)
         if replicates < 2:
+            self._bootstrap_draws(size)
             return mean, torch.zeros_like(mean)
-        reps = self.bootstrap_masses(lower, upper, replicates, seed, method)
+        reps = self.bootstrap_masses(lower, upper, replicates, seed, method, size)
         return mean, reps.var(0, unbiased=True)
 
     def __repr__(self) -> str:

@@ -97,6 +97,7 @@ __all__ = [
     "jeffreys_upper",
     "poisson_chernoff_mu",
     "chernoff_upper",
+    "stratified_chernoff_upper",
     "bonferroni_upper",
     "jeffreys_draws",
     "bootstrap_quantile",
@@ -302,6 +303,51 @@ def chernoff_upper(op: Tensor | Sequence[float], failures: Tensor | Sequence[int
     w_star = float(w.max())
     x = float((w * k).sum()) / w_star
     return min(total, w_star * poisson_chernoff_mu(x, confidence))
+
+
+def stratified_chernoff_upper(op: Tensor | Sequence[float], failures: Tensor | Sequence[int],
+                              trials: Tensor | Sequence[int] | int, strata: Tensor | Sequence[int],
+                              confidence: float = 0.975) -> float:
+    """Sound upper bound on ``Σ_i Op_i λ_i``: :func:`chernoff_upper` per stratum at ``α/G``, summed (Bonferroni).
+
+    ``strata[i]`` names cell ``i``'s stratum (any integers); ``G`` is the number of distinct strata
+    with positive mass. Each stratum ``g`` gets its own ``w*_g = max_{i∈g} Op_i/n_i`` and the
+    bound ``U_g = min(Σ_{i∈g} Op_i, w*_g · μ_{α/G}(x_g))``; ``Σ_g U_g`` holds with probability
+    ``≥ 1 − α`` for every vector of ``λ_i`` (each ``U_g`` fails with probability ``≤ α/G``, and the
+    union bound needs no independence between strata).
+
+    Why (beyond the paper): one Chernoff bound over all cells charges every cell the largest
+    weight ``w*`` (all failure mass might sit on the heaviest-weight cell), so sampling a cell
+    more finely than the coarsest one buys nothing. Strata decouple the weights: cells shown by a
+    pilot stage to be failure-free can be sampled coarsely (their stratum costs about
+    ``w*_g · ln(G/α)``), the failure-carrying ones finely, for a fraction of the queries of one
+    uniform allocation. The strata must not depend on the counts ``failures`` bounded here (in
+    :mod:`~pytest_dnnsafety.engines.reliability` they come from an independent pilot stage).
+    """
+    confidence = check_confidence(confidence)
+    k, n = _counts(failures, trials)
+    o = _as_f64(op, "op")
+    g = torch.as_tensor(strata).reshape(-1).to(torch.int64)
+    if o.shape != k.shape or g.shape != k.shape:
+        raise DataError(f"op has {tuple(o.shape)} entries, strata {tuple(g.shape)}, failures/trials "
+                        f"{tuple(k.shape)}; give one of each per cell")
+    if bool((o < 0).any()):
+        raise DataError("op masses must be non-negative")
+    if o.numel() == 0 or float(o.sum()) == 0.0:
+        return 0.0
+    keys, inverse = torch.unique(g, return_inverse=True)
+    n_g = int(keys.numel())
+    w = o / n
+    mass = torch.zeros(n_g, dtype=torch.float64).index_add_(0, inverse, o)
+    w_star = torch.zeros(n_g, dtype=torch.float64).scatter_reduce_(0, inverse, w, reduce="amax")
+    wk = torch.zeros(n_g, dtype=torch.float64).index_add_(0, inverse, w * k)
+    live = mass > 0
+    groups = int(live.sum())
+    alpha = (1.0 - confidence) / groups
+    total = 0.0
+    for m_g, ws_g, wk_g in zip(mass[live].tolist(), w_star[live].tolist(), wk[live].tolist()):  # G is a handful
+        total += min(m_g, ws_g * poisson_chernoff_mu(wk_g / ws_g, 1.0 - alpha))
+    return total
 
 
 def bonferroni_upper(op: Tensor | Sequence[float], failures: Tensor | Sequence[int],

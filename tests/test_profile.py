@@ -152,6 +152,56 @@ def test_bootstrap_masses_equal_explicit_refits() -> None:
     np.testing.assert_allclose(var.numpy(), boot.var(0).numpy())
 
 
+def test_half_size_bootstrap_is_the_kde_of_n_over_2_resampled_points() -> None:
+    x = _data(41, 2, seed=21)  # odd N: m = 20 draws, weights N/m = 2.05 per draw
+    prof = OperationalProfile(x, [0.4, 0.4])
+    w = prof.bootstrap_weights(6, seed=3, size="half")
+    assert w.shape == (6, 41)
+    np.testing.assert_allclose(w.sum(1).numpy(), 41.0, rtol=1e-12)  # masses stay on the N-point scale
+    counts = w * 20 / 41
+    np.testing.assert_allclose(counts.numpy(), np.round(counts.numpy()), atol=1e-12)
+    assert torch.all(counts.sum(1).round() == 20)
+    assert torch.equal(w, prof.bootstrap_weights(6, seed=3, size="half"))  # same seed, same refits
+    assert not torch.equal(w, prof.bootstrap_weights(6, seed=4, size="half"))
+    # each refit is the KDE of its 20 drawn points (bandwidth held), built independently
+    lo, hi = np.array([[-0.5, -0.5], [0.0, 0.5]]), np.array([[0.5, 0.5], [1.0, 1.5]])
+    reps = prof.bootstrap_masses(lo, hi, 6, seed=3, size="half")
+    for b in range(6):
+        resampled = np.repeat(x, counts[b].round().to(torch.int64).numpy(), axis=0)
+        assert resampled.shape[0] == 20
+        refit = OperationalProfile(resampled, [0.4, 0.4])
+        np.testing.assert_allclose(reps[b].numpy(), refit.box_mass(lo, hi).numpy(), rtol=1e-12)
+    with pytest.raises(ConfigError, match="bootstrap_size .*'full', 'half'"):
+        prof.bootstrap_weights(3, size="quarter")
+
+
+def test_half_size_bootstrap_doubles_the_mass_variance() -> None:
+    """The paper's half-size refits estimate the variance of an N/2-point KDE: about 2× the full bootstrap's."""
+    x = _data(600, 2, seed=22)
+    prof = OperationalProfile(x)
+    edges = np.linspace(-2.0, 2.0, 9)
+    lo = np.array([[a, b] for a in edges[:-1] for b in edges[:-1]]) * [1.0, 2.0]
+    hi = lo + np.array([0.5, 1.0])
+    _, var_full = prof.mass_moments(lo, hi, replicates=300, seed=1)
+    _, var_half = prof.mass_moments(lo, hi, replicates=300, seed=1, size="half")
+    ratio = float(torch.median(var_half / var_full))
+    assert 1.6 <= ratio <= 2.8, ratio
+    # and the same seed gives the same numbers
+    _, again = prof.mass_moments(lo, hi, replicates=300, seed=1, size="half")
+    assert torch.equal(var_half, again)
+
+
+@pytest.mark.parametrize("spelling", ["centre", "center"])
+def test_center_is_a_spelling_of_centre(spelling: str) -> None:
+    x = _data(30, 2, seed=23)
+    prof = OperationalProfile(x, 0.5)
+    lo, hi = np.array([[0.0, 0.0]]), np.array([[0.1, 0.2]])
+    assert torch.equal(prof.cell_mass(lo, hi, spelling), prof.centre_mass(lo, hi))
+    edges = [torch.linspace(0, 1, 4, dtype=torch.float64)] * 2
+    for a, b in zip(prof.axis_factors(edges, spelling), prof.axis_factors(edges, "centre")):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------- latent space, PCA
 def test_pca_round_trip_and_sklearn_agreement() -> None:
     from sklearn.decomposition import PCA as SkPCA

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path, PurePath
 from typing import Any, Callable, Mapping
 
 from ..errors import MetricError
@@ -13,8 +15,18 @@ __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Upper confidence bound on the pmi (Zhao et al. 2021, eqs. 1–14) under the operational profile."""
-    from ..engines.reliability import assess_reliability
+    """Upper confidence bound on the pmi (Zhao et al. 2021, eqs. 1–14) under the operational profile.
+
+    Under torchrun each rank samples its contiguous share of the Monte Carlo blocks
+    (``ReliabilityAssessor.sample(model, rank=, world_size=)``; blocks are seeded by index, so the
+    split changes no sample), the per-cell tallies are all-reduced (``sum``) and every rank
+    aggregates the same counts: the single-process result, with the Monte Carlo — the bulk of the
+    work — divided by the number of ranks. Only rank 0 writes ``cells_file``.
+    """
+    import time
+
+    from .. import ranks
+    from ..engines.reliability import ReliabilityAssessor
     from ..loading import as_tensors
 
     opts = dict(spec.options)
@@ -33,8 +45,28 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
         given["failures"] = [tuple(pair) for pair in given["failures"]]
     compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
     given.pop("compare_methods", None)
-    result = assess_reliability(fx["model"], fx["profile"], labelled, compare_methods=compare,
-                                seed=ctx.seed, device=ctx.device, **given)
+    cells_file = given.pop("cells_file", None)
+    started = time.perf_counter()
+    assessor = ReliabilityAssessor(fx["profile"], labelled, compare_methods=compare, seed=ctx.seed,
+                                   device=ctx.device, **given)
+    world = ranks.world_size()
+    engine = ranks.together(lambda: assessor.sample(fx["model"], rank=ranks.rank(), world_size=world),
+                            sharded=world > 1)
+    queries = assessor.queries
+    if world > 1:
+        engine.sync()  # per-cell class tallies: sum
+        # Every rank ran the (deterministic) pilot in full: count it once, as one process would.
+        pilot = int(getattr(assessor, "queries_pilot", 0) or 0)
+        queries = sum(ranks.gather(int(queries))) - (world - 1) * pilot
+    result = assessor.finish(engine, model_queries=queries)
+    result = replace(result, seconds=time.perf_counter() - started)
+    if cells_file is not None:
+        # the per-cell audit table, relative to the rootdir (the ini file's folder) like other gate files
+        path = Path(str(cells_file)).expanduser()
+        path = path if path.is_absolute() else ctx.settings.ini_dir / path
+        if ranks.is_main():  # one writer under torchrun; every rank reports the same path
+            path = result.write_cells(path)
+        result = replace(result, cells_file=str(path))
     return _pmi_measurement(result)
 
 
@@ -77,12 +109,13 @@ def _positive_or_auto(value: Any) -> str | None:
 
 
 def _box(value: Any) -> str | None:
-    if value is None:
+    if value is None or value == "padded":
         return None
     ok = (isinstance(value, (list, tuple)) and len(value) == 2
           and all(isinstance(c, (list, tuple)) and c and all(isinstance(v, (int, float)) for v in c) for c in value)
           and len(value[0]) == len(value[1]) and all(lo < hi for lo, hi in zip(*value)))
-    return None if ok else f"{value!r} must be [lower corner, upper corner] with lower < upper in every dimension"
+    return None if ok else (f"{value!r} must be [lower corner, upper corner] with lower < upper in every dimension, "
+                            f"None (the data's range) or 'padded' (the data's range ± 3 bandwidths)")
 
 
 def _pairs(value: Any) -> str | None:
@@ -103,6 +136,14 @@ def _none_or_positive(value: Any) -> str | None:
     return None if value is None or value >= 1 else f"{value!r} must be >= 1"
 
 
+def _none_or_at_least(low: int) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None or value >= low else f"{value!r} must be >= {low}"
+
+
+def _none_or_open_unit(value: Any) -> str | None:
+    return None if value is None or 0 < value < 1 else f"{value!r} must lie strictly between 0 and 1"
+
+
 _radius: Callable[[Any], str | None] = lambda v: None if v is None else _positive_or_auto(v)  # noqa: E731
 
 MAX_PMI_UB = GateDef(
@@ -118,16 +159,30 @@ MAX_PMI_UB = GateDef(
         Param("eps", (int, float, str, list, tuple), "auto", _positive_or_auto,
               "cell side: 'auto' (below r-hat), a positive number, or one per dimension"),
         Param("eps_fraction", (int, float), 1.0, in_range(1e-9, 1e9), "a positive fraction of r-hat"),
-        Param("box", (list, tuple, type(None)), None, _box,
-              "box=[[lower...], [upper...]] in profile space; None: the data's range"),
+        Param("box", (list, tuple, str, type(None)), None, _box,
+              "box=[[lower...], [upper...]] in profile space; None: the data's range (unpadded); "
+              "'padded': the data's range ± 3 bandwidths"),
         Param("samples_per_cell", (int,), 1000, in_range(1, 10**9), "a positive number of samples"),
-        Param("allocation", (str,), "uniform", one_of("uniform", "proportional"),
-              "uniform, or proportional to cell mass"),
+        Param("allocation", (str,), "uniform", one_of("uniform", "proportional", "adaptive"),
+              "uniform, proportional to cell mass, or adaptive (a pilot, then the queries where they tighten "
+              "the bound)"),
+        Param("query_budget", (int, type(None)), None, _none_or_at_least(2),
+              "total Monte Carlo queries of allocation='adaptive' (pilot included), e.g. 1_000_000; None: "
+              "samples_per_cell x cells"),
+        Param("target_width", (int, float, type(None)), None, _none_or_open_unit,
+              "the bound width Ub - E allocation='adaptive' plans for, a number in (0, 1), e.g. 0.001"),
+        Param("pilot_samples", (int, type(None)), None, _none_or_positive,
+              "pilot samples per cell of allocation='adaptive' (None: pilot_fraction of the budget)"),
+        Param("pilot_fraction", (int, float), 0.05, in_range(1e-9, 1 - 1e-9),
+              "the share of the budget allocation='adaptive' spends on its pilot, strictly between 0 and 1"),
         Param("bootstrap", (int,), 100, in_range(0, 10**6), "KDE refits for Var(Op); 0 takes masses as known"),
+        Param("bootstrap_size", (str,), "full", one_of("full", "half"),
+              "full (the standard bootstrap, N of N points per refit) or half (the paper's N/2-point refits, "
+              "about 2x the variance)"),
         Param("bandwidth", (str, int, float, list, tuple, type(None)), None, None,
               "'scott', 'silverman', a number or one per dimension"),
-        Param("mass", (str,), "exact", one_of("exact", "centre"),
-              "exact box integrals, or centre (the paper's eq. 9)"),
+        Param("mass", (str,), "exact", one_of("exact", "centre", "center"),
+              "exact box integrals, or centre (also spelt center; the paper's eq. 9)"),
         Param("mass_target", (int, float), 1.0, in_range(1e-9, 1.0), "a share of OP mass in (0, 1]"),
         Param("max_cells", (int, type(None)), None, _none_or_positive,
               "a positive cell budget or None"),
@@ -150,6 +205,9 @@ MAX_PMI_UB = GateDef(
         Param("labelled_from_profile", (bool,), True, None,
               "True: the labelled data are a sample of the operational profile, so their error rate must "
               "not exceed the bound; False skips that check"),
+        Param("cells_file", (str, PurePath, type(None)), None, None,
+              "a .csv (or .jsonl) path, relative to the rootdir, for the per-cell audit table (mass, type, "
+              "lambda-hat, samples); its path appears in the gate's details"),
         Param("accept_violated_assumptions", (bool,), False, None,
               "True compares the bound even when an assumption (e.g. eps < r-hat) is violated; default: "
               "the gate is inconclusive"),

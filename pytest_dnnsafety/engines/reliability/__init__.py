@@ -9,7 +9,9 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   different classes (Remark 2, Assumption 2; :func:`r_separation`) — is reported, and ``ε ≥ r̂``
   raises a :class:`ReliabilityWarning` (and sets ``eps_exceeds_r``). ``eps="auto"`` takes the
   largest even split of the box with side strictly below ``eps_fraction · r̂`` (the paper's
-  running example: ``r̂ = 0.004013`` → 250 × 250 cells of side 0.004).
+  running example grids the unit square into 250 × 250 cells of side 0.004). ``box=None`` grids
+  the data's range (operational and labelled points, unpadded; ``box="padded"`` adds three
+  bandwidths per side); the box used is reported (``ReliabilityResult.box``).
 * **Ball cells** (``cells="balls"``; METRICS.md §8 "or are norm balls around operational
   inputs", the paper's cells-as-norm-balls idea for high-dimensional inputs such as images,
   where no grid is possible): each operational input ``x_j`` (input space, flattened) is the
@@ -17,8 +19,13 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   profile); cell types from the labelled points inside each closed ball, exactly as for grid
   cells. See :func:`assess_reliability` for the details.
 * **Op_i** — KDE masses (:class:`~pytest_dnnsafety.profile.OperationalProfile`): the paper's
-  centre approximation (eq. 9) or the exact box integral, normalised over the box, with a
-  bootstrap variance over ``B`` refits (eq. 11, Appendix A).
+  centre approximation (eq. 9; ``mass="centre"``, also spelt ``"center"``) or the exact box
+  integral, normalised over the box, with a bootstrap variance over ``B`` refits (eq. 11,
+  Appendix A). ``bootstrap_size="full"`` (default) is the standard bootstrap, ``N`` of ``N``
+  points per refit: the variance of the masses actually used. ``"half"`` refits on ``N/2``
+  points as the paper's reference implementation does; it estimates the variance of a KDE of
+  half the data, about 2× larger (a KDE mass's variance scales as ``1/N``), and is there to
+  reproduce the paper's figures.
 * **Cell types** (§3.2): *normal* — labelled points inside agree, the cell's ground truth is
   their label (Assumption 4); *empty* — no labelled point, the label is the majority vote of the
   model on the cell's samples (Assumption 5; ties go to the lowest class); *cross-boundary* —
@@ -32,6 +39,18 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   Caveat: an empty cell's label is voted on its own samples, so its failure count is the
   minority count — biased low when the cell's unastuteness nears ½. The bounds hold for the
   labels as voted (Assumption 5), not for an unknown ground truth.
+* **Adaptive allocation** (``allocation="adaptive"``, beyond the paper;
+  :mod:`~pytest_dnnsafety.engines.reliability.allocation`) — a pilot stage, strata from the pilot
+  only (cells with pilot failures / without), one weight ``Op_i/n_i`` per stratum chosen to
+  minimise the predicted bound within ``query_budget`` (or to reach ``target_width``), fresh
+  final samples from an independent seed stream, and the stratified Chernoff bound (each
+  stratum at ``α_λ/G``) — sound for every failure-rate vector. On a two-moons random-forest
+  stand-in (100 × 100 cells, ``tests/benchmarks/test_bench_allocation.py``) it reaches the bound
+  of uniform allocation at 10,000 samples per cell with a tenth of the model queries.
+* **Bounded memory** — beyond :data:`~pytest_dnnsafety.engines.reliability.planning.HELD_REPLICATES`
+  bootstrap entries the replicate masses are streamed over cells (recomputed chunk by chunk from
+  the KDE tables where the bound needs them) instead of held as a ``(B, C)`` matrix; a grid whose
+  estimated memory exceeds 2 GiB (or 10⁹ queries) warns before planning with both figures.
 * **Many cells** — cells are taken by descending OP mass up to ``mass_target`` and/or a budget
   of ``max_cells``; the unevaluated mass counts with ``λ = 1`` (``conservative_rest=True``) or,
   when the user asks otherwise, with the evaluated cells' average pmi (the paper's "empirical /
@@ -43,6 +62,13 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   cells and labelled points outside the box are *violated assumptions* (the gate is
   inconclusive unless told to accept them). ``empty_cell_label="nearest"`` labels empty cells
   from the nearest labelled point instead of the model's vote.
+* **Models** — a torch module, any callable returning logits/probabilities ``(B, K)`` or labels
+  ``(B,)`` (tensors or numpy arrays), or a scikit-learn style estimator: ``predict_proba``
+  (preferred) or ``predict`` is called on CPU numpy arrays ``(B, features)``
+  (:class:`~pytest_dnnsafety.engines.reliability.model._ModelAdapter`).
+* **Audit** — :meth:`ReliabilityResult.write_cells` writes the per-cell table (mass, variance,
+  type, label, ``λ̂_i``, failures, samples, corners) as CSV or JSON lines; the ``max_pmi_ub``
+  gate's ``cells_file=`` does it and names the file in the gate's details.
 * **Aggregation** (:mod:`pytest_dnnsafety.stats`): ``"normal"`` (eqs. 5–7, the paper's),
   ``"chernoff"`` (sound for any number of zero-failure cells; default), ``"clopper-pearson"``
   (sound, Bonferroni over cells) and ``"jeffreys"`` (Bayesian Monte Carlo).

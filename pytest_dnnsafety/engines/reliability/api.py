@@ -37,15 +37,50 @@ def assess_reliability(
             they give ``r̂`` and the labels of normal/cross-boundary cells.
         eps: cell side (number, or one per dimension), or ``"auto"`` — the largest even split of
             the box with side below ``eps_fraction · r̂``.
-        box: ``(lower, upper)`` corners of the gridded domain (profile space). Default: the data's
-            range padded by three bandwidths.
+        box: ``(lower, upper)`` corners of the gridded domain (profile space). Default ``None``: the
+            data's range — the bounding box of the operational and the labelled points, no padding.
+            ``"padded"``: that range widened by three kernel standard deviations per side (the KDE's
+            tails; earlier releases padded by default). The box used is reported (``result.box``,
+            ``box_rule``). With ``normalize=True`` the masses are renormalised over the box, so the
+            KDE mass that spills over the unpadded box (kernels at the edge of the data) is shared
+            out over the cells in it rather than counted as unevaluated rest.
         samples_per_cell: Monte Carlo samples ``n`` per cell (eqs. 13–14); with
             ``allocation="proportional"`` the same total budget is spread ``∝ Op_i`` (which
             minimises the ``"chernoff"`` bound's ``max Op_i/n_i``).
+        allocation: ``"uniform"`` (default; ``samples_per_cell`` in every cell, the paper's),
+            ``"proportional"`` (above) or ``"adaptive"`` — sound adaptive allocation
+            (:mod:`~pytest_dnnsafety.engines.reliability.allocation`; beyond the paper): a pilot of
+            ``n₀`` samples per cell, then strata from the pilot only (cells with pilot failures /
+            without), one weight ``w_g`` per stratum chosen to minimise the bound the pilot predicts,
+            ``n_i = ⌈max_b Op_{b,i} / w_g⌉`` fresh samples per cell from an independent seed stream,
+            and for ``method="chernoff"`` the stratified bound
+            (:func:`~pytest_dnnsafety.stats.stratified_chernoff_upper`: each stratum at ``α_λ/G``,
+            summed) — sound for every failure-rate vector because the plan depends on the pilot
+            only. Empty cells take the pilot's vote as their label. The result reports
+            ``queries_pilot``, ``queries_final`` and the plan (``allocation_plan``). Every rank
+            runs the (deterministic) pilot in full; the final stage shards by ``rank``/``world_size``.
+        query_budget: ``allocation="adaptive"``: the total Monte Carlo queries, pilot included
+            (default ``samples_per_cell`` × the sampled cells — the uniform budget). Must pay the
+            pilot and one final sample per cell (a :class:`ConfigError` says how many).
+        target_width: ``allocation="adaptive"``: plan the fewest queries whose *predicted* width
+            ``Ub − E`` is at most this (within ``query_budget`` when given). The plan is chosen once
+            from the pilot; nothing is re-tested sequentially. ``allocation_plan["target_reached"]``
+            says whether the prediction reached it; the summary says whether the result did.
+        pilot_samples: ``allocation="adaptive"``: pilot samples per cell (default
+            ``pilot_fraction`` of ``query_budget`` spread over the cells, or of
+            ``samples_per_cell`` when only ``target_width`` is given; at least 1).
+        pilot_fraction: the pilot's share (strictly between 0 and 1, default 0.05), see above.
         bootstrap: KDE refits ``B`` for ``V[Op_i]`` (Appendix A); 0 takes the masses as known.
+        bootstrap_size: ``"full"`` (default) — the standard (Efron) bootstrap, each refit resamples
+            ``N`` of the ``N`` operational points, so ``V[Op_i]`` is the variance of the masses
+            actually used; ``"half"`` — the paper's reference implementation, refits on ``N/2``-point
+            resamples (an m-out-of-n bootstrap), which estimates the variance of a KDE fitted on
+            half the data: about 2× the full-size ``V[Op_i]`` (a KDE mass's variance scales as
+            ``1/N``). Use ``"half"`` to reproduce the paper's figures. Grid cells only.
         bandwidth: KDE bandwidth (rule name, number or one per dimension); with an existing
             profile it refits the profile with this bandwidth.
-        mass: ``"exact"`` box integrals or ``"centre"`` (the paper's eq. 9).
+        mass: ``"exact"`` box integrals or ``"centre"`` (the paper's eq. 9; ``"center"`` is accepted
+            and reported as ``"centre"``).
         normalize: normalise masses over the box (the evaluated domain); otherwise the KDE mass
             outside the box joins the unevaluated rest.
         mass_target, max_cells: take cells by descending OP mass until their share reaches

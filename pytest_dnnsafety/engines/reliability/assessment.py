@@ -2,7 +2,8 @@
 
 Part of :mod:`pytest_dnnsafety.engines.reliability`. :class:`ReliabilityAssessor` combines the
 planning (:mod:`~pytest_dnnsafety.engines.reliability.planning`) and the Monte Carlo
-(:mod:`~pytest_dnnsafety.engines.reliability.sampler`) with the aggregation defined here.
+(:mod:`~pytest_dnnsafety.engines.reliability.sampler`) and the aggregation into bounds
+(:mod:`~pytest_dnnsafety.engines.reliability.aggregation`); the labelled-data checks are here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety import stats
+from pytest_dnnsafety.engines.reliability.aggregation import BoundAggregator
 from pytest_dnnsafety.engines.reliability.cells import (
     CROSS,
     EMPTY,
@@ -46,7 +48,7 @@ from pytest_dnnsafety.engines.reliability.result import (
 from pytest_dnnsafety.engines.reliability.sampler import MonteCarloSampler
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
-from pytest_dnnsafety.profile import OperationalProfile
+from pytest_dnnsafety.profile import BOOTSTRAP_SIZES, OperationalProfile, canonical_mass
 
 #: How empty cells (no labelled point inside) get their label (``empty_cell_label=``): the model's
 #: majority vote on the cell's samples (the paper's Assumption 5) or the label of the nearest
@@ -54,7 +56,7 @@ from pytest_dnnsafety.profile import OperationalProfile
 EMPTY_CELL_LABELS: tuple[str, ...] = ("model", "nearest")
 
 
-class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
+class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
     """Plans, samples and aggregates one reliability assessment (the steps of :func:`assess_reliability`).
 
     Construction does the model-independent work: the grid (or, with ``cells="balls"``, the
@@ -75,7 +77,12 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
         box: tuple[Any, Any] | None = None,
         samples_per_cell: int = 1000,
         allocation: str = "uniform",
+        query_budget: int | None = None,
+        target_width: float | None = None,
+        pilot_samples: int | None = None,
+        pilot_fraction: float = 0.05,
         bootstrap: int = 100,
+        bootstrap_size: str = "full",
         bandwidth: Any = None,
         mass: str = "exact",
         normalize: bool = True,
@@ -122,15 +129,16 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
         self.compare_methods = tuple(dict.fromkeys(self._check_method(m, "compare_methods") for m in compare_methods
                                                    if m != self.method))
         self.samples_per_cell = _check_int(samples_per_cell, "samples_per_cell", 1)
-        if allocation not in ("uniform", "proportional"):
-            raise ConfigError(f"allocation must be 'uniform' or 'proportional', got {allocation!r}")
-        self.allocation = allocation
+        self._check_allocation(allocation, query_budget, target_width, pilot_samples, pilot_fraction)
         self.bootstrap = _check_int(bootstrap, "bootstrap", 0)
         if self.bootstrap == 1:
             raise ConfigError("bootstrap must be 0 (OP masses taken as known) or at least 2 refits, got 1")
-        if mass not in ("exact", "centre"):
-            raise ConfigError(f"mass must be 'exact' (box integral) or 'centre' (the paper's eq. 9), got {mass!r}")
-        self.mass = mass
+        self.mass = canonical_mass(mass)  # "center" is a spelling of "centre"; reported as "centre"
+        if bootstrap_size not in BOOTSTRAP_SIZES:
+            raise ConfigError(f"bootstrap_size must be one of {list(BOOTSTRAP_SIZES)} ('full': the standard bootstrap, "
+                              f"N of N points per KDE refit; 'half': the paper's N/2-point refits), got "
+                              f"{bootstrap_size!r}")
+        self.bootstrap_size = str(bootstrap_size)
         self.normalize = bool(normalize)
         if isinstance(mass_target, bool) or not isinstance(mass_target, (int, float)) or not 0 < mass_target <= 1:
             raise ConfigError(f"mass_target must be a number in (0, 1], got {mass_target!r}")
@@ -160,6 +168,10 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
         self.clip: tuple[float, float] | None = None
         self.radius: float | None = None
         if cells == "balls":
+            if self.bootstrap_size != "full":
+                raise ConfigError("bootstrap_size='half' resizes the KDE refits of grid cells (the paper's variant); "
+                                  "ball cells use the empirical profile, whose multinomial bootstrap variance is "
+                                  "exact. Fix: drop bootstrap_size with cells='balls'")
             self._init_balls(profile, labelled, radius=radius, eps=eps, eps_fraction=eps_fraction, box=box,
                              bandwidth=bandwidth, max_balls=max_balls, clip=clip, device=device)
             self.plan_seconds = time.perf_counter() - started
@@ -192,11 +204,22 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
         self._z_lab, self._y_lab = z_lab, y_lab
 
         # ---------------------------------------------------------------- box and grid
-        if box is None:
-            pad = 3.0 * (profile.bandwidth if profile.bandwidth is not None else profile.covariance.diagonal().sqrt())
+        if box is None or isinstance(box, str):
+            # the data's range: the bounding box of the operational and the labelled points; "padded"
+            # widens it by three kernel standard deviations per side (the KDE's tails)
+            if box not in (None, "padded"):
+                raise ConfigError(f"box must be (lower corner, upper corner), None (the data's range) or 'padded' "
+                                  f"(the data's range ± 3 bandwidths), got {box!r}")
             pts = profile.points if z_lab is None else torch.cat([profile.points, z_lab])
-            lower, upper = (pts.min(0).values - pad).tolist(), (pts.max(0).values + pad).tolist()
+            low, high = pts.min(0).values, pts.max(0).values
+            if box == "padded":
+                pad = 3.0 * (profile.bandwidth if profile.bandwidth is not None
+                             else profile.covariance.diagonal().sqrt())
+                low, high = low - pad, high + pad
+            lower, upper = low.tolist(), high.tolist()
+            self.box_rule = "data range" if box is None else "data range ± 3 bandwidths"
         else:
+            self.box_rule = "given"
             if not isinstance(box, (tuple, list)) or len(box) != 2:
                 raise ConfigError("box must be a pair (lower corner, upper corner)")
             lower = _float_tuple(box[0], profile.dim, "box lower corner")
@@ -236,10 +259,38 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
                 f"can be ranked at once. Fix: give max_cells (a budget of top-OP cells), a larger eps or a smaller box"
             )
 
+        self._warn_cost()
         self._plan()
         self.plan_seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ validation helpers
+    def _check_allocation(self, allocation: Any, query_budget: Any, target_width: Any, pilot_samples: Any,
+                          pilot_fraction: Any) -> None:
+        """``allocation`` and the adaptive options (:mod:`~pytest_dnnsafety.engines.reliability.allocation`)."""
+        if allocation not in ("uniform", "proportional", "adaptive"):
+            raise ConfigError(f"allocation must be 'uniform', 'proportional' or 'adaptive' (a pilot, then the budget "
+                              f"spread where it tightens the bound), got {allocation!r}")
+        self.allocation = str(allocation)
+        if allocation != "adaptive":
+            for name, value, default in (("query_budget", query_budget, None), ("target_width", target_width, None),
+                                         ("pilot_samples", pilot_samples, None),
+                                         ("pilot_fraction", pilot_fraction, 0.05)):
+                if value != default:
+                    raise ConfigError(f"{name} applies to allocation='adaptive' only. Fix: allocation='adaptive', or "
+                                      f"drop {name}")
+        self.query_budget = None if query_budget is None else _check_int(query_budget, "query_budget", 2)
+        if target_width is not None and (isinstance(target_width, bool) or not isinstance(target_width, (int, float))
+                                         or not 0 < target_width < 1 or not math.isfinite(target_width)):
+            raise ConfigError(f"target_width is the bound width Ub − E to reach, a number in (0, 1), e.g. 1e-3; got "
+                              f"{target_width!r}")
+        self.target_width = None if target_width is None else float(target_width)
+        self.pilot_samples = None if pilot_samples is None else _check_int(pilot_samples, "pilot_samples", 1)
+        if isinstance(pilot_fraction, bool) or not isinstance(pilot_fraction, (int, float)) \
+                or not 0 < pilot_fraction < 1:
+            raise ConfigError(f"pilot_fraction is the share of query_budget (or of samples_per_cell) spent on the "
+                              f"pilot, strictly between 0 and 1, e.g. 0.05; got {pilot_fraction!r}")
+        self.pilot_fraction = float(pilot_fraction)
+
     @staticmethod
     def _check_method(method: Any, name: str) -> str:
         if method not in stats.METHODS:
@@ -358,7 +409,10 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
             alternatives={m: b for m, b in bounds.items() if m != self.method}, cells=table,
             cell_kind=self.cell_kind, norm=self.norm if balls else None, clip=self.clip,
             empty_cell_label=self.empty_cell_label, labelled_from_profile=self.labelled_from_profile,
-            labelled_queries=self.labelled_queries, **checks,
+            labelled_queries=self.labelled_queries, queries_pilot=self.queries_pilot,
+            queries_final=queries - self.queries_pilot, allocation_plan=self.allocation_plan,
+            box=None if balls else (tuple(self.grid.lower), tuple(self.grid.upper)),
+            box_rule=None if balls else self.box_rule, bootstrap_size=self.bootstrap_size, **checks,
         )
 
     # ------------------------------------------------------------------ does the evidence hold together?
@@ -469,48 +523,6 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler):
                 )
         return {"violations": tuple(violations), "violations_accepted": self.accept_violated_assumptions,
                 "contradictions": tuple(contradictions), "labelled_check": labelled_check, "vote_check": vote_check}
-
-    def _bound(self, method: str, op: Tensor, op_var: Tensor, reps: Tensor | None, rest: float,
-               rest_reps: Tensor | None, cross: Tensor, sampled: Tensor, fails: Tensor, trials: Tensor
-               ) -> MethodBound:
-        conf = self.confidence
-        lam_mean = torch.ones_like(op)
-        lam_var = torch.zeros_like(op)
-        if sampled.numel():
-            m, v = stats.binomial_moments(fails, trials)
-            lam_mean[sampled], lam_var[sampled] = m, v
-        normal = stats.aggregate_normal(op, op_var, lam_mean, lam_var, conf)
-        rest_var = float(rest_reps.var(unbiased=True)) if (rest_reps is not None and self.conservative_rest) else 0.0
-        E = normal.E + rest
-        Var = normal.Var + rest_var
-        if method == "normal":
-            return MethodBound(method, E, Var, stats.normal_upper(E, Var, conf), conf)
-        ops = op[None, :] if reps is None else reps
-        rests = torch.tensor([rest]) if reps is None else (rest_reps if self.conservative_rest
-                                                             else torch.zeros(reps.shape[0], dtype=torch.float64))
-        assert rests is not None
-        cross_mass = ops[:, cross].sum(1) + rests  # (B,) or (1,)
-        if method == "jeffreys":
-            draws = stats.jeffreys_draws(ops[:, sampled], fails, trials, self.posterior_draws, seed=self.seed,
-                                         extra=cross_mass)
-            ub = float(torch.quantile(draws, conf))
-            return MethodBound(method, float(draws.mean()), float(draws.var()), min(1.0, ub), conf)
-        alpha = 1.0 - conf
-        if reps is None:
-            conf_lam, level = conf, None
-        else:
-            alpha_op = self.alpha_op_share * alpha
-            conf_lam, level = 1.0 - (alpha - alpha_op), 1.0 - alpha_op
-        if not sampled.numel():
-            values = cross_mass.tolist()
-        elif method == "chernoff":
-            values = [float(cross_mass[b]) + stats.chernoff_upper(ops[b, sampled], fails, trials, conf_lam)
-                      for b in range(ops.shape[0])]
-        else:  # clopper-pearson: the per-cell bounds (at 1 − α_λ/m) do not depend on the masses
-            per_cell = stats.clopper_pearson_upper(fails, trials, 1.0 - (1.0 - conf_lam) / int(sampled.numel()))
-            values = (ops[:, sampled] @ per_cell + cross_mass).tolist()
-        ub = values[0] if level is None else stats.bootstrap_quantile(values, level)
-        return MethodBound(method, E, Var, min(1.0, ub), conf)
 
     def assess(self, model: Callable[[Tensor], Any]) -> ReliabilityResult:
         """:meth:`sample` then :meth:`finish` in this process; ``seconds`` covers planning too."""

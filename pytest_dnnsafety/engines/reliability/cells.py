@@ -197,7 +197,7 @@ def closest_opposite_pair(x: Any, y: Any, *, device: torch.device | str | None =
 def r_separation(x: Any, y: Any, *, device: torch.device | str | None = None, norm: str = "linf") -> float:
     """``r̂`` — half the smallest L∞ (or L2) distance between two labelled points of different classes (Remark 2).
 
-    ``inf`` when all labels are equal. The paper's running example reports ``r̂ = 0.004013``.
+    ``inf`` when all labels are equal.
     """
     return closest_opposite_pair(x, y, device=device, norm=norm)[0]
 

@@ -34,6 +34,12 @@ from pytest_dnnsafety.engines.reliability.sampler import _mix
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.profile import OperationalProfile, as_tensor_2d
 
+#: Largest bootstrap matrix ``B × C`` (replicates × evaluated cells) held in memory (float64: 256 MiB);
+#: beyond it the replicate masses are streamed over cells: per-cell variances, the per-replicate
+#: rest and the bounds' per-replicate sums are accumulated chunk by chunk, so the peak memory no
+#: longer grows with ``B · C`` (about 1.6 GB per million cells at ``B = 100`` otherwise).
+HELD_REPLICATES = 1 << 25
+
 #: ``radius="auto"`` for ball cells is capped at this fraction of the operational data's diameter
 #: under the norm (of the ``clip`` range when given): ``min(eps_fraction · r̂, 0.1 · diameter)``.
 AUTO_RADIUS_CAP = 0.1
@@ -236,12 +242,38 @@ class CellPlanner:
         return labels
 
     def _allocate(self, op: Tensor, types: Tensor) -> None:
-        """Samples per sampled (non-cross) cell: ``samples_per_cell`` each, or the same budget spread ∝ ``Op_i``."""
+        """Samples per sampled (non-cross) cell: ``samples_per_cell`` each, the same budget spread ∝ ``Op_i``, or
+        (``allocation="adaptive"``) the pilot's ``n₀`` per cell — the final stage is planned from the pilot
+        (:meth:`~pytest_dnnsafety.engines.reliability.sampler.MonteCarloSampler._plan_final`)."""
         sampled = torch.nonzero(types != CROSS).reshape(-1).cpu()
         self._sampled = sampled
         n_s = sampled.numel()
+        self._per_cell: int | None = None  # every cell the same n: the sampler's fast path
+        self._stream_seed = self.seed  # block generators of the (only, or final) stage
+        self._strata: Tensor | None = None
+        self.queries_pilot = 0
+        self.allocation_plan: dict[str, Any] | None = None
         if self.allocation == "uniform" or n_s == 0:
             trials = torch.full((n_s,), self.samples_per_cell, dtype=torch.int64)
+            self._per_cell = self.samples_per_cell
+        elif self.allocation == "adaptive":
+            budget = self.query_budget
+            if self.pilot_samples is not None:
+                n0 = self.pilot_samples
+            elif budget is not None:
+                n0 = max(1, int(self.pilot_fraction * budget) // n_s)
+            else:
+                n0 = max(1, round(self.pilot_fraction * self.samples_per_cell))
+            if budget is not None and budget < (n0 + 1) * n_s:
+                raise ConfigError(
+                    f"query_budget={budget:,} cannot pay a pilot of {n0} samples per cell and one final sample in "
+                    f"each of the {n_s:,} sampled cells ({(n0 + 1) * n_s:,} queries). Fix: query_budget ≥ "
+                    f"{(n0 + 1) * n_s:,}, fewer pilot_samples, or fewer cells (mass_target/max_cells, a larger eps)"
+                )
+            self._pilot_n = n0
+            trials = torch.full((n_s,), n0, dtype=torch.int64)
+            self._per_cell = n0
+            self._labels_planned = self._labels.clone()
         else:
             budget = self.samples_per_cell * n_s
             op_s = op.cpu()[sampled]
@@ -250,6 +282,41 @@ class CellPlanner:
             trials = torch.round(share_s * budget).to(torch.int64).clamp_min(1)
         self._trials = trials
         self._ends = torch.cumsum(trials, 0)
+
+    def _estimate_cost(self) -> tuple[float, int]:
+        """Peak memory (bytes, roughly) and Monte Carlo queries of planning and assessing this grid.
+
+        The bootstrap's replicate masses ``(B, C)`` float64 of the ``C`` evaluated cells dominate
+        while they are held (up to :data:`HELD_REPLICATES` entries; streamed beyond), then about 24
+        float64-sized values per cell (masses, variances, types, labels, sample
+        counts, the per-cell table with its corners, the engine's histograms) and the mass scan.
+        """
+        cells = self.grid.n_cells if self.max_cells is None else min(self.grid.n_cells, self.max_cells)
+        reps = self.bootstrap * cells * 8 * (2 if self.bootstrap >= 2 else 0)  # the matrix and one temporary
+        if self.profile.bandwidth is not None and self.bootstrap * cells > HELD_REPLICATES:
+            reps = 4 * _CHUNK_ELEMS * 8  # streamed over cells: a few chunks at a time
+        per_cell = cells * 8 * (24 + 2 * self.grid.dim)
+        if self.allocation == "adaptive" and self.query_budget is not None:
+            queries = self.query_budget
+        else:
+            queries = self.samples_per_cell * cells
+        return float(reps + per_cell + 4 * self.grid.n_cells * 8), int(queries)
+
+    def _warn_cost(self, limit: float = 2 * 2**30) -> None:
+        """A :class:`ReliabilityWarning` with the estimated memory and model queries when a grid is large."""
+        memory, queries = self._estimate_cost()
+        if memory <= limit and queries <= 10**9:
+            return
+        cells = self.grid.n_cells if self.max_cells is None else min(self.grid.n_cells, self.max_cells)
+        warnings.warn(
+            f"the grid {' × '.join(map(str, self.grid.shape))} evaluates up to {cells:,} cells: planning and "
+            f"assessing it will take about {memory / 2**30:.1f} GiB of memory (bootstrap={self.bootstrap} replicate "
+            f"masses or the per-cell tables dominate) and {queries:.3g} model queries (about {queries / 5e6 / 60:.0f} min at "
+            f"5·10⁶ queries/s). Fix: fewer bootstrap refits (bootstrap=20), fewer cells (max_cells, mass_target, a "
+            f"larger eps), or allocation='adaptive' with a query_budget",
+            ReliabilityWarning,
+            stacklevel=4,
+        )
 
     def _to_input(self, z: Tensor) -> Tensor:
         """Sampled points ``(B, d)`` → model inputs (decoded for latent grids, reshaped for balls)."""
@@ -266,6 +333,19 @@ class CellPlanner:
             return None
         edges = [self.grid.edges(k, self.profile.device) for k in range(self.grid.dim)]
         return self.profile.axis_factors(edges, self.mass)
+
+    def _replicate_chunks(self) -> Iterable[tuple[int, Tensor]]:
+        """Replicate masses ``(B, c)`` of the evaluated cells, chunk by chunk (only when not held; see
+        :data:`HELD_REPLICATES`): ``W_b · Π_k F_k[:, i_k] / N`` over the replicate's box total (and, with
+        ``conservative_rest=False``, over its evaluated total), exactly as the held matrix."""
+        assert self._streamed is not None
+        st = self._streamed
+        tables, weights, flat = st["tables"], st["weights"], st["flat"]
+        div = (st["totals"] * st["scale"])[:, None] * self.profile.n
+        chunk = max(1, _CHUNK_ELEMS // max(1, self.profile.n, self.bootstrap))
+        for start in range(0, int(flat.shape[0]), chunk):
+            prod = self._product(tables, flat[start : start + chunk])  # (N, c)
+            yield start, (weights @ prod) / div
 
     def _product(self, tables: list[Tensor], flat: Tensor) -> Tensor:
         """``Π_k F_k[:, i_k]`` for the cells ``flat``: ``(N, C)``."""
@@ -363,9 +443,31 @@ class CellPlanner:
         # ---- bootstrap replicates of the selected cells (Appendix A), normalised per replicate
         reps: Tensor | None = None
         rest_reps: Tensor | None = None
+        self._streamed: dict[str, Any] | None = None
+        self._op_alloc: Tensor | None = None  # streamed: each cell's largest replicate mass
         if self.bootstrap >= 2:
-            weights = profile.bootstrap_weights(self.bootstrap, self.seed)
-            if tables is not None:
+            weights = profile.bootstrap_weights(self.bootstrap, self.seed, getattr(self, "bootstrap_size", "full"))
+            if tables is not None and self.bootstrap * count > HELD_REPLICATES:
+                # too many cells to hold (B, C): per-cell and per-replicate figures chunk by chunk now,
+                # the replicate masses recomputed chunk by chunk where the bound needs them (finish)
+                assert per_kernel_total is not None
+                totals = weights @ per_kernel_total / profile.n if self.normalize else \
+                    torch.ones(self.bootstrap, dtype=torch.float64, device=profile.device)
+                self._streamed = {"tables": tables, "weights": weights, "totals": totals, "flat": flat,
+                                  "scale": torch.ones_like(totals)}
+                op_var = torch.empty_like(op)
+                alloc = torch.empty_like(op)
+                mass = torch.zeros_like(totals)
+                for start, chunk in self._replicate_chunks():
+                    op_var[start : start + chunk.shape[1]] = chunk.var(0, unbiased=True)
+                    alloc[start : start + chunk.shape[1]] = chunk.max(0).values
+                    mass += chunk.sum(1)
+                rest_reps = (1.0 - mass).clamp_min(0.0)
+                if not self.conservative_rest:  # replicate b's masses over its own evaluated total
+                    self._streamed["scale"] = mass
+                    alloc = alloc / float(mass.min())
+                self._op_alloc = alloc
+            elif tables is not None:
                 assert per_kernel_total is not None
                 totals = weights @ per_kernel_total / profile.n  # (B,)
                 reps = torch.empty(self.bootstrap, count, dtype=torch.float64, device=profile.device)
@@ -391,10 +493,12 @@ class CellPlanner:
                     totals += profile.centre_mass(lo, hi, weights).sum(1)
                 lo, hi = grid.bounds(flat)
                 reps = profile.centre_mass(lo, hi, weights)
-            if self.normalize:
-                reps = reps / totals[:, None]
-            rest_reps = (1.0 - reps.sum(1)).clamp_min(0.0)
-        op_var = reps.var(0, unbiased=True) if reps is not None else torch.zeros_like(op)
+            if reps is not None:
+                if self.normalize:
+                    reps = reps / totals[:, None]
+                rest_reps = (1.0 - reps.sum(1)).clamp_min(0.0)
+        if self._streamed is None:
+            op_var = reps.var(0, unbiased=True) if reps is not None else torch.zeros_like(op)
         rest = max(0.0, 1.0 - float(op.sum()))
         if not self.conservative_rest:
             scale = float(op.sum())
@@ -405,6 +509,8 @@ class CellPlanner:
             if reps is not None:
                 reps = reps / reps.sum(1, keepdim=True)
                 rest_reps = torch.zeros(reps.shape[0], dtype=torch.float64, device=reps.device)
+            elif self._streamed is not None:
+                rest_reps = torch.zeros(self.bootstrap, dtype=torch.float64, device=op.device)
         self.mass_evaluated = float(share[:count].sum())
         self.rest = rest
         self._flat, self._op, self._op_var, self._reps, self._rest_reps = flat, op, op_var, reps, rest_reps

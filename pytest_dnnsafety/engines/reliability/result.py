@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,6 +124,23 @@ class ReliabilityResult:
     contradictions: tuple[str, ...] = ()
     labelled_check: Mapping[str, Any] | None = None
     vote_check: Mapping[str, Any] | None = None
+    #: the gridded domain ``(lower corner, upper corner)`` in profile space (``None`` for ball cells)
+    box: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    #: how the box was chosen: ``"given"``, ``"data range"`` (``box=None``) or
+    #: ``"data range ± 3 bandwidths"`` (``box="padded"``); ``None`` for ball cells
+    box_rule: str | None = None
+    #: ``"full"`` (the standard bootstrap) or ``"half"`` (the paper's N/2-point KDE refits)
+    bootstrap_size: str = "full"
+    #: where :meth:`write_cells` last wrote the per-cell table (set by the gate's ``cells_file=``)
+    cells_file: str | None = None
+    #: Monte Carlo queries of the pilot stage (``allocation="adaptive"``; 0 otherwise) and of the final
+    #: stage; ``queries_pilot + queries_final == model_queries``
+    queries_pilot: int = 0
+    queries_final: int = 0
+    #: ``allocation="adaptive"``: the plan chosen from the pilot (pilot samples per cell, budget,
+    #: target width and whether the prediction reached it, the strata with their cells, mass,
+    #: weight ``w_g`` and final queries); ``None`` otherwise
+    allocation_plan: Mapping[str, Any] | None = None
     cells: CellTable | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -141,6 +159,61 @@ class ReliabilityResult:
         clip = "" if self.clip is None else f", clipped to [{self.clip[0]:g}, {self.clip[1]:g}]"
         return (f"balls {self.cells_evaluated}{of} ({NORMS.get(self.norm or '', self.norm)} radius "
                 f"{self.eps[0]:.6g}{clip})")
+
+    def _box_words(self) -> str:
+        """E.g. ``"[0, 0]–[1, 1] (the data's range)"``: the gridded domain and how it was chosen."""
+        if self.box is None:
+            return "n/a"
+        corners = "–".join("[" + ", ".join(f"{v:.6g}" for v in c) + "]" for c in self.box)
+        rule = {"given": "given", "data range": "the data's range"}.get(self.box_rule or "", self.box_rule)
+        return f"{corners}{f' ({rule})' if rule else ''}"
+
+    def write_cells(self, path: Any) -> Path:
+        """Write the per-cell evidence (the :class:`CellTable`) to ``path`` for audit; returns the path.
+
+        One row per evaluated cell, in descending OP mass: ``rank``, ``cell`` (the grid's flat
+        index; for ball cells the centre's row in the operational data), ``type`` (normal, empty,
+        cross_boundary), ``label`` (the cell's ground-truth or voted label), ``op`` (``Op_i`` as used,
+        normalised), ``op_var`` (``V[Op_i]``), ``lambda_hat`` (``λ̂_i = k_i/n_i``, eq. 13; 1 for
+        cross-boundary cells), ``failures`` (``k_i``), ``samples`` (``n_i``; 0 for cross-boundary
+        cells) and the corners ``lower_0..``/``upper_0..`` (profile space; for balls the ball's
+        clipped bounding box). ``Σ op · lambda_hat`` over the rows, plus ``mass_rest`` when
+        ``conservative_rest`` (counted with λ = 1), is the estimate ``E`` of the point-estimate
+        methods. A ``.jsonl`` suffix writes JSON lines, anything else CSV; parent folders are made.
+
+        Raises:
+            MetricError: the result holds no cell table (e.g. one rebuilt from a JSON report).
+        """
+        import csv
+        import json
+
+        from pytest_dnnsafety.errors import MetricError
+
+        table = self.cells
+        if table is None:
+            raise MetricError("this result holds no per-cell table (only assess_reliability's own results do); "
+                              "Fix: call write_cells on the result assess_reliability returned")
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        d = int(table.lower.shape[1]) if table.lower.ndim == 2 else 0
+        head = ["rank", "cell", "type", "label", "op", "op_var", "lambda_hat", "failures", "samples",
+                *(f"lower_{k}" for k in range(d)), *(f"upper_{k}" for k in range(d))]
+        columns = [
+            range(table.flat.shape[0]), table.flat.tolist(),
+            [_PLOT_TYPES.get(t, str(t)) for t in table.cell_type.tolist()], table.label.tolist(),
+            table.op.tolist(), table.op_var.tolist(), table.unastuteness.tolist(), table.failures.tolist(),
+            table.trials.tolist(), *table.lower.T.tolist(), *table.upper.T.tolist(),
+        ]
+        rows = zip(*columns)
+        with out.open("w", newline="", encoding="utf-8") as fh:
+            if out.suffix == ".jsonl":
+                for row in rows:
+                    fh.write(json.dumps(dict(zip(head, row))) + "\n")
+            else:
+                writer = csv.writer(fh)
+                writer.writerow(head)
+                writer.writerows(rows)
+        return out
 
     @property
     def empty_label_words(self) -> str:
@@ -191,6 +264,23 @@ class ReliabilityResult:
             f"{self.model_queries:,} model queries in {self.seconds:.1f} s"
         )
 
+    def _allocation_summary(self) -> list[str]:
+        """``allocation="adaptive"``: queries per stage and the strata (for :meth:`summary`)."""
+        plan = self.allocation_plan
+        if plan is None:
+            return []
+        target = ""
+        if plan.get("target_width") is not None:
+            target = (f"; target width {plan['target_width']:.3g} "
+                      f"{'predicted reachable' if plan.get('target_reached') else 'NOT reachable by the prediction'}"
+                      f", reached: {self.Ub - self.E <= plan['target_width']}")
+        lines = [f"  adaptive: pilot {self.queries_pilot:,} queries ({plan['pilot_samples_per_cell']} per cell), "
+                 f"final {self.queries_final:,}; predicted Ub {plan['predicted_ub']:.4g}{target}"]
+        for g in plan.get("strata", []):
+            lines.append(f"    stratum {g['stratum']}: {g['cells']:,} cells, OP mass {g['mass']:.4g}, weight "
+                         f"{g['weight']:.3g}, {g['queries']:,} queries, {g['pilot_failures']:,} pilot failures")
+        return lines
+
     def summary(self) -> str:
         """A multi-line report (the paper's Table 1 columns and the settings)."""
         lines = [
@@ -213,6 +303,7 @@ class ReliabilityResult:
                 + ("any misclassification" if self.failure_set is None else f"confusions {list(self.failure_set)}"),
                 f"  {self.model_queries:,} model queries in {self.seconds:.2f} s"
                 f" ({self.model_queries / max(self.seconds, 1e-9):,.0f} /s)",
+                *self._allocation_summary(),
                 *self.checks_summary(),
             ]
             return "\n".join(lines)
@@ -224,12 +315,15 @@ class ReliabilityResult:
             f"normal {self.cells_normal}, empty {self.cells_empty}, cross-boundary {self.cells_cross}",
             f"  OP mass evaluated {self.mass_evaluated:.6g}; rest {self.mass_rest:.6g} counted "
             + ("with λ = 1 (conservative)" if self.conservative_rest else "at the evaluated cells' average pmi"),
-            f"  OP masses: {self.mass_method}, bootstrap B = {self.bootstrap}, bandwidth "
+            f"  box {self._box_words()}",
+            f"  OP masses: {self.mass_method}, bootstrap B = {self.bootstrap}"
+            f"{' (half-size refits, the paper’s variant)' if self.bootstrap_size == 'half' else ''}, bandwidth "
             + ("full covariance" if self.bandwidth is None else ", ".join(f"{h:.4g}" for h in self.bandwidth)),
             f"  samples per cell {self.samples_per_cell} ({self.allocation}); failure = "
             + ("any misclassification" if self.failure_set is None else f"confusions {list(self.failure_set)}"),
             f"  {self.model_queries:,} model queries in {self.seconds:.2f} s"
             f" ({self.model_queries / max(self.seconds, 1e-9):,.0f} /s)",
+            *self._allocation_summary(),
             *self.checks_summary(),
         ]
         return "\n".join(lines)
@@ -276,11 +370,18 @@ class ReliabilityResult:
             "empty_cell_label": self.empty_cell_label,
             "labelled_from_profile": self.labelled_from_profile,
             "labelled_queries": self.labelled_queries,
+            "queries_pilot": self.queries_pilot,
+            "queries_final": self.queries_final,
+            "allocation_plan": None if self.allocation_plan is None else dict(self.allocation_plan),
             "labelled_check": None if self.labelled_check is None else dict(self.labelled_check),
             "vote_check": None if self.vote_check is None else dict(self.vote_check),
             "violations": list(self.violations),
             "violations_accepted": self.violations_accepted,
             "contradictions": list(self.contradictions),
+            "box": None if self.box is None else [list(self.box[0]), list(self.box[1])],
+            "box_rule": self.box_rule,
+            "bootstrap_size": self.bootstrap_size,
+            "cells_file": self.cells_file,
         }
         if self.cells is not None:
             details["cells_plot"] = self.cells_plot()

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety import progress
-from pytest_dnnsafety.engines.reliability.cells import _check_int
+from pytest_dnnsafety.engines.reliability.allocation import plan_adaptive
+from pytest_dnnsafety.engines.reliability.cells import CROSS, _check_int
 from pytest_dnnsafety.engines.reliability.model import _check_label_bounds, _check_label_range, _ModelAdapter
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError
@@ -71,7 +72,7 @@ class MonteCarloSampler:
         for block in range(first, last):
             lo = block * BLOCK - start
             hi = min(stop - start, lo + BLOCK)
-            gen.manual_seed(_mix(self.seed, block))
+            gen.manual_seed(_mix(self._stream_seed, block))
             if rad is not None:  # L2 ball: Gaussian direction, then the radius quantile
                 torch.randn(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
                 torch.rand(hi - lo, 1, generator=gen, dtype=dtype, device=self.device, out=rad[lo:hi])
@@ -79,8 +80,8 @@ class MonteCarloSampler:
                 torch.rand(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
         # the cells the batch touches and how many of its samples fall in each (the first and last
         # cell may be cut by the batch edges); corners and cell indices are expanded by repetition
-        if self.allocation == "uniform":
-            n = self.samples_per_cell
+        if self._per_cell is not None:
+            n = self._per_cell
             lo, hi = start // n, (stop - 1) // n + 1
             cell_starts = torch.arange(lo, hi, dtype=torch.int64) * n
             cell_ends = cell_starts + n
@@ -159,13 +160,17 @@ class MonteCarloSampler:
         """Run the Monte Carlo of this worker's share of blocks into ``engine`` (a new one when ``None``).
 
         Blocks ``[rank·nb/world_size, (rank+1)·nb/world_size)`` are this worker's; merging the
-        engines of all ranks gives exactly the single-process result.
+        engines of all ranks gives exactly the single-process result. With ``allocation="adaptive"``
+        every rank first runs the whole pilot (deterministic: the same plan everywhere, no
+        communication; :attr:`queries_pilot`), then its share of the final stage's blocks; the engine
+        holds the final stage only.
         """
         world_size = _check_int(world_size, "world_size", 1)
         rank = _check_int(rank, "rank", 0)
         if rank >= world_size:
             raise ConfigError(f"rank {rank} must be below world_size {world_size}")
         self.queries = 0
+        self._tuned_blocks: int | None = None
         self._label_extremes: Tensor | None = None
         self._predict_labelled(model)
         adapter = _ModelAdapter(model, self.num_classes)
@@ -182,7 +187,18 @@ class MonteCarloSampler:
                 f"engine is sized {engine.n_cells} cells × {engine.num_classes} classes, the plan needs "
                 f"{self.n_sampled_cells} × {k}"
             )
+        if self.allocation == "adaptive":
+            self._pilot_and_plan(adapter, k)
         engine.to(self.device)
+        self._run_stream(adapter, engine, rank, world_size)
+        adapter.check()  # NaN/inf logits: one host sync after the loop, naming the first bad batch
+        if self._label_extremes is not None:
+            lo, hi = self._label_extremes.tolist()
+            _check_label_bounds(int(lo), int(hi), engine.num_classes)
+        return engine
+
+    def _run_stream(self, adapter: _ModelAdapter, engine: CellTallyEngine, rank: int, world_size: int) -> None:
+        """This rank's share of the current stage's blocks into ``engine`` (adds to :attr:`queries`)."""
         dtype = self._sample_dtype()
         corners = torch.cat([self._sample_lower, self._sample_width], 1).to(self.device, dtype)
         self._ends_dev = self._ends.to(self.device)
@@ -191,20 +207,100 @@ class MonteCarloSampler:
         first, last = rank * n_blocks // world_size, (rank + 1) * n_blocks // world_size
         block = first
         per_batch = self._initial_blocks() if self.batch_size == "auto" else max(1, self.batch_size // BLOCK)
-        if self.batch_size == "auto":
-            block, per_batch = self._autotune(adapter, engine, block, last, dtype, corners)
+        if self.batch_size == "auto" and self._tuned_blocks is not None:  # a later stage: the first one's choice
+            per_batch = self._tuned_blocks
+        elif self.batch_size == "auto":
+            tuned, per_batch = self._autotune(adapter, engine, block, last, dtype, corners)
+            if tuned != block:  # timed (a short stream keeps the initial size and does not count)
+                self._tuned_blocks = per_batch
+            block = tuned
         self.blocks_per_batch = per_batch
-        total = max(0, min(self.total_samples, last * BLOCK) - first * BLOCK)  # this rank's model queries
+        done = self.queries
+        total = done + max(0, min(self.total_samples, last * BLOCK) - first * BLOCK)  # this rank's model queries
         while block < last:
             stop = min(last, block + per_batch)
             self.queries += self._run_blocks(adapter, engine, block, stop, dtype, corners)
             block = stop
             progress.tick(self.queries, total, "queries")
-        adapter.check()  # NaN/inf logits: one host sync after the loop, naming the first bad batch
-        if self._label_extremes is not None:
-            lo, hi = self._label_extremes.tolist()
-            _check_label_bounds(int(lo), int(hi), engine.num_classes)
-        return engine
+
+    def _pilot_and_plan(self, adapter: _ModelAdapter, k: int) -> None:
+        """``allocation="adaptive"``: the pilot stage (all of it, on every rank), then the final stage's plan.
+
+        The pilot samples ``n₀`` per cell from the block stream seeded by ``_mix(seed, -3)`` (and a
+        label round for contested empty cells from ``_mix(seed, -5)``); the final stage from
+        ``_mix(seed, -4)``, independent of both (see
+        :mod:`~pytest_dnnsafety.engines.reliability.allocation` for why that keeps the bound sound).
+        """
+        n_s = self.n_sampled_cells
+        n0 = self._pilot_n
+        self._per_cell = n0
+        self._trials = torch.full((n_s,), n0, dtype=torch.int64)
+        self._ends = torch.cumsum(self._trials, 0)
+        self._stream_seed = _mix(self.seed, -3)
+        self._labels = self._labels_planned.clone()
+        pilot = self.new_engine(k).to(self.device)
+        self._run_stream(adapter, pilot, 0, 1)
+        counts = pilot.compute().cpu()
+        # label round: empty cells whose pilot samples disagree get max(32, 16·n₀) more samples, so their
+        # label (the vote, Assumption 5) is the model's majority, not a coin toss of a few pilot samples
+        contested = (self._labels_planned.cpu()[self._sampled] < 0) & ((counts > 0).sum(1) > 1)
+        extra_n = max(32, 16 * n0)
+        if self.query_budget is not None:  # never at the cost of the final stage's one sample per cell
+            extra_n = min(extra_n, (self.query_budget - (n0 + 1) * n_s) // max(1, int(contested.sum())))
+        if bool(contested.any()) and extra_n > 0:
+            self._per_cell = None
+            self._trials = torch.where(contested, extra_n, 0).to(torch.int64)
+            self._ends = torch.cumsum(self._trials, 0)
+            self._stream_seed = _mix(self.seed, -5)
+            extra = self.new_engine(k).to(self.device)
+            self._run_stream(adapter, extra, 0, 1)
+            counts = counts + extra.compute().cpu()
+        self.queries_pilot = self.queries
+        self._plan_final(counts)
+        self._stream_seed = _mix(self.seed, -4)
+
+    def _cross_mass(self) -> float:
+        """OP mass counted with ``λ = 1`` without sampling: cross-boundary cells and (conservatively) the rest."""
+        rest = self.rest if self.conservative_rest else 0.0
+        return float(self._op[self._types == CROSS].sum()) + rest
+
+    def _plan_final(self, pilot_counts: Tensor) -> None:
+        """Strata, final-stage samples and the empty cells' labels (the pilot's vote) from the pilot's histograms."""
+        sampled = self._sampled
+        n_s = int(sampled.numel())
+        k = pilot_counts.shape[1]
+        labels = self._labels.cpu().clone()
+        cell_labels = labels[sampled]
+        cell_labels = torch.where(cell_labels < 0, pilot_counts.argmax(1), cell_labels)
+        labels[sampled] = cell_labels
+        self._labels = labels.to(self._labels.device)
+        fm = self._failure_matrix(k)
+        fails = (pilot_counts * fm[cell_labels].to(torch.int64)).sum(1)
+        op = self._op.cpu()[sampled]
+        streamed = getattr(self, "_op_alloc", None)
+        if streamed is not None:
+            alloc = streamed.cpu()[sampled].clamp_min(op)
+        else:
+            alloc = op if self._reps is None else self._reps.cpu()[:, sampled].max(0).values.clamp_min(op)
+        alpha = 1.0 - self.confidence
+        conf_lam = self.confidence if self._reps is None and streamed is None else 1.0 - (alpha - self.alpha_op_share * alpha)
+        budget = None if self.query_budget is None else self.query_budget - self.queries_pilot
+        if budget is not None and budget < n_s:
+            raise ConfigError(f"query_budget={self.query_budget:,}: the pilot spent {self.queries_pilot:,} queries "
+                              f"and {budget:,} are left for the {n_s:,} sampled cells (one each at least). Fix: "
+                              f"query_budget ≥ {self.queries_pilot + n_s:,} or fewer pilot_samples")
+        plan = plan_adaptive(alloc, op, fails, pilot_counts.sum(1), budget=budget, target_width=self.target_width,
+                             confidence=conf_lam)
+        self._strata = plan.strata
+        self._trials = plan.trials
+        self._ends = torch.cumsum(plan.trials, 0)
+        self._per_cell = None
+        self.allocation_plan = {
+            "pilot_samples_per_cell": int(self._pilot_n), "query_budget": self.query_budget,
+            "target_width": self.target_width, "target_reached": plan.target_reached,
+            "predicted_E": plan.predicted_e, "predicted_ub": plan.predicted_ub + float(self._cross_mass()),
+            "strata": plan.groups,
+        }
 
     def _predict_labelled(self, model: Callable[[Tensor], Any]) -> None:
         """The model's predictions on the labelled inputs (for the labelled-data checks of :meth:`finish`).
