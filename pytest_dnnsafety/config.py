@@ -44,7 +44,7 @@ class Setting:
     """One configurable value and its four spellings."""
 
     name: str
-    kind: str  # "source" | "path" | "int" | "bool" | "device"
+    kind: str  # "source" | "path" | "int" | "bool" | "device" | "threads"
     default: Any
     help: str
     fix: str
@@ -127,6 +127,10 @@ _SETTING_LIST = [
             "use a non-negative integer below 2**63 such as 1234", minimum=0, maximum=MAX_SEED),
     Setting("batch_size", "int", 256, "batch size of forward passes and engine updates (int >= 1)",
             "use a positive integer such as 256", minimum=1),
+    Setting("threads", "threads", "auto",
+            "torch intra-op CPU threads of each test process: auto (the usable cores shared by the xdist workers, "
+            "less the cores other processes keep busy; OMP_NUM_THREADS/MKL_NUM_THREADS win when set) or an int >= 1",
+            "use auto or a positive integer such as 1"),
     Setting("json", "path", None, "write the dependability evidence (JSON) to this path",
             "give a writable file path such as reports/dnnsafety.json"),
     Setting("junit_properties", "bool", False,
@@ -202,6 +206,13 @@ def _parse(setting: Setting, raw: Any) -> Any:
         raise ValueError("expected true or false")
     if kind == "device":
         return parse_device(raw)
+    if kind == "threads":
+        text = str(raw).strip().lower()
+        if text == "auto":
+            return "auto"
+        if isinstance(raw, bool) or not text.isdigit() or int(text) < 1:
+            raise ValueError("expected auto or an integer >= 1")
+        return int(text)
     # "source" and "path": a non-empty string
     if not isinstance(raw, (str, os.PathLike)) or not str(raw).strip():
         raise ValueError("expected a non-empty path or 'package.module:callable'")

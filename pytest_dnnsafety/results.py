@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Measurement", "GateResult", "STATUSES", "format_number"]
+__all__ = ["Measurement", "GateResult", "STATUSES", "format_number", "format_numbers"]
 
 #: The verdicts of a gate; only ``passed`` passes.
 #:
@@ -47,14 +47,47 @@ class Measurement:
     contradiction: str | None = None
 
 
-def format_number(value: float | None) -> str:
+def format_number(value: float | None, extra_digits: int = 0) -> str:
+    """A number for reports: 3 decimals (``0.950``), or 3 mantissa decimals in scientific notation
+    below 1e-3 and from 1e5 (``4.870e-04``); ``extra_digits`` more of either. ``None`` is ``-``.
+
+    Use :func:`format_numbers` for numbers shown side by side (value, bound, threshold).
+    """
     if value is None:
         return "-"
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return str(value)
+    digits = 3 + max(0, int(extra_digits))
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-        return f"{value:.3e}"
-    return f"{value:.3f}"
+        return f"{value:.{digits}e}"
+    return f"{value:.{digits}f}"
+
+
+#: :func:`format_numbers` adds at most this many digits to tell numbers apart.
+MAX_EXTRA_DIGITS = 12
+
+
+def format_numbers(*values: float | None) -> list[str]:
+    """Numbers shown side by side (a gate's value, bound and threshold), with enough digits that
+    numbers that differ print differently.
+
+    Each starts as :func:`format_number` (``0.950``); while two different numbers print alike
+    (``E = 0.00487`` and ``Ub = 0.00493`` both ``0.005``), every number of the row gets one more
+    digit (``0.00487``, ``0.00493``), up to :data:`MAX_EXTRA_DIGITS`. Equal numbers stay equal.
+    """
+    finite = [(v, i) for i, v in enumerate(values) if isinstance(v, (int, float)) and math.isfinite(v)]
+    texts = [format_number(v) for v in values]
+    for extra in range(MAX_EXTRA_DIGITS + 1):
+        texts = [format_number(v, extra) for v in values]
+        shown: dict[str, float] = {}
+        clash = False
+        for v, i in finite:
+            if shown.setdefault(texts[i], float(v)) != float(v):
+                clash = True
+                break
+        if not clash:
+            break
+    return texts
 
 
 @dataclass
@@ -73,6 +106,8 @@ class GateResult:
     summary: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    #: seconds of first-time module imports while the gate measured (startup, not the metric; not in ``seconds``)
+    startup_seconds: float = 0.0
     device: str = ""
     #: role -> what the gate read for it: fixture name, origin, object type and content digest
     inputs: dict[str, Any] = field(default_factory=dict)

@@ -37,6 +37,28 @@ def file_digest(path: Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def _torchrun() -> dict[str, Any]:
+    """``world_size`` (torchrun ranks; 1 without torchrun) and the process group's ``backend`` (None without)."""
+    from .. import ranks
+
+    return ranks.describe()
+
+
+def _threads(settings: Any, workers: int) -> dict[str, Any]:
+    """torch's intra-op threads: the plan this process applied, or (xdist controller) the plan for each worker."""
+    from .. import threads
+
+    try:
+        applied = threads.applied(settings)
+        if applied is not None:
+            return {**applied.as_dict(), "torch_threads": threads.torch_threads(), "applied": True}
+        planned = threads.plan(settings, busy=None, processes=max(1, workers))
+    except Exception as exc:  # a bad setting already failed the run; still write evidence
+        return {"error": str(exc)}
+    return {**planned.as_dict(), "applied": False,
+            "note": "planned for each worker without the load measurement; each worker applies its own plan"}
+
+
 def environment(settings: Any, devices: Iterable[str], workers: int) -> dict[str, Any]:
     """A JSON-able description of what was evaluated, where and how."""
     inputs: dict[str, Any] = {}
@@ -65,6 +87,8 @@ def environment(settings: Any, devices: Iterable[str], workers: int) -> dict[str
         "device": ",".join(device_list) if device_list else str(settings.get("device").value),
         "seed": settings.get("seed").value,
         "workers": workers,
+        "threads": _threads(settings, workers),
+        **_torchrun(),
         "inputs": inputs,
         "inputs_note": ("the configured input settings and their files' sha256 at the end of the run; what each "
                         "gate actually evaluated (fixture, origin, content digest at load) is in gates[].inputs"),

@@ -6,7 +6,8 @@ Layout (``schema`` = ``pytest-dnnsafety/1``)::
      "summary": {"passed", "failed", "error", "not-evaluated", "inconclusive", "lost", "total"},
      "lost": [nodeid of each test whose gates were lost, ...],
      "gates": [{"nodeid", "marker", "metric", "value", "bound", "threshold", "op", "passed",
-                "status", "summary", "details", "seconds", "device", "inputs"}, ...]}
+                "status", "summary", "details", "seconds", "startup_seconds",
+                "device", "inputs", "baseline"}, ...]}
 
 ``summary`` counts gates by status (``lost`` too); ``lost`` lists the tests. ``threshold`` is always
 the marker's number (known at collection), also for gates that never ran. ``details.reason`` says

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import ConfigError
-from ..results import STATUSES
+from ..results import STATUSES, format_numbers
 
 __all__ = ["EXTRA_MESSAGE", "require_html_extra", "check_html_path", "render_html", "write_html", "VERDICT_ORDER"]
 
@@ -133,6 +133,14 @@ def _fmt(value: Any) -> str:
     if number != 0 and (abs(number) < 1e-3 or abs(number) >= 1e5):
         return f"{number:.3e}"
     return f"{number:.3f}"
+
+
+def _fmt_row(*values: Any) -> list[str]:
+    """:func:`_fmt` of numbers shown side by side (value, bound, threshold): finite floats get enough digits
+    that different numbers print differently (:func:`~pytest_dnnsafety.results.format_numbers`)."""
+    plain = [isinstance(v, float) and math.isfinite(v) for v in values]
+    texts = format_numbers(*(v if ok else None for v, ok in zip(values, plain)))
+    return [t if ok else _fmt(v) for v, t, ok in zip(values, texts, plain)]
 
 
 def _json(value: Any) -> str:
@@ -644,6 +652,8 @@ def _card(gate: dict[str, Any], index: int) -> dict[str, Any]:
     nested = [(k, _json(v)) for k, v in details.items() if not _scalar(v) and k not in _PLOTTED]
     plotted = [(k, _json(details[k])) for k in _PLOTTED if k in details]
     baseline = gate.get("baseline") if isinstance(gate.get("baseline"), dict) else None
+    value, bound, threshold, compared_text = _fmt_row(gate.get("value"), gate.get("bound"), gate.get("threshold"),
+                                                      compared)
     return {
         "anchor": f"gate-{index}",
         "status": status,
@@ -655,11 +665,11 @@ def _card(gate: dict[str, Any], index: int) -> dict[str, Any]:
         "marker": gate.get("marker", ""),
         "metric": gate.get("metric", ""),
         "op": symbol,
-        "value": _fmt(gate.get("value")),
-        "bound": _fmt(gate.get("bound")) if has_bound else None,
-        "compared": _fmt(compared),
+        "value": value,
+        "bound": bound if has_bound else None,
+        "compared": compared_text,
         "compared_what": "bound" if has_bound else "value",
-        "threshold": _fmt(gate.get("threshold")),
+        "threshold": threshold,
         "summary": gate.get("summary", ""),
         "seconds": _fmt(gate.get("seconds")),
         "device": gate.get("device", ""),

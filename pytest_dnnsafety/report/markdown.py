@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..results import STATUSES, GateResult, format_number
+from ..results import STATUSES, GateResult, format_numbers
 from .baseline import format_change
 from .terminal import VERDICTS, header_line
 
@@ -79,9 +79,9 @@ def step_summary(rows: Sequence[GateResult], env: Mapping[str, Any]) -> str:
         verdict = VERDICTS.get(r.status, (r.status.upper(),))[0]
         if r.status != "passed":
             verdict = f"**{verdict}**"
-        threshold = f"{'≥' if r.op == '>=' else '≤'} {format_number(r.threshold)}"
-        cells = [_code(r.nodeid), _code(r.marker), format_number(r.value), format_number(r.bound),
-                 threshold, verdict]
+        value, bound, limit = format_numbers(r.value, r.bound, r.threshold)  # differing numbers print differently
+        threshold = f"{'≥' if r.op == '>=' else '≤'} {limit}"
+        cells = [_code(r.nodeid), _code(r.marker), value, bound, threshold, verdict]
         if with_change:
             cells.append(_cell(_change(comparison if isinstance(comparison, dict) else None)))
         lines.append("| " + " | ".join(cells) + " |")

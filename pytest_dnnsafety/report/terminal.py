@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..results import GateResult, format_number
+from ..results import GateResult, format_numbers
 
 __all__ = ["header_line", "render_table", "baseline_notes", "change_cell", "VERDICTS"]
 
@@ -76,10 +76,11 @@ def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[
     cells = []
     for r in results:
         verdict, markup = VERDICTS.get(r.status, (r.status.upper(), {}))
-        threshold = f"{'≥' if r.op == '>=' else '≤'} {format_number(r.threshold)}"
+        # enough digits that a value, its bound and the threshold that differ print differently
+        value, bound, limit = format_numbers(r.value, r.bound, r.threshold)
+        threshold = f"{'≥' if r.op == '>=' else '≤'} {limit}"
         path, _, name = r.nodeid.partition("::")
-        row: tuple[str, ...] = ("  " + (name or path), r.marker, format_number(r.value), format_number(r.bound),
-                                threshold)
+        row: tuple[str, ...] = ("  " + (name or path), r.marker, value, bound, threshold)
         row += (change_cell(_baseline(r)), verdict) if with_change else (verdict,)
         cells.append((path, row, markup))
     fixed = [max(len(head[i]), *(len(row[i]) for _, row, _ in cells)) for i in range(1, n)]
