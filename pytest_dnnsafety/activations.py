@@ -178,10 +178,14 @@ def capture(
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     outputs: list[ModelOutputs] | None = None,
+    batches: tuple[int, int] | None = None,
 ) -> dict[str, LayerActivations]:
     """One forward pass over ``data`` recording per-neuron reductions of ``layers`` (max, mean, min).
 
-    With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it.
+    With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it. With ``batches``
+    ``(start, stop)`` only those batches are forwarded (a torchrun rank's share, see
+    :func:`pytest_dnnsafety.ranks.batch_shard`): the model sees exactly the batches a whole pass
+    would give it, so the shard's rows are bit-identical to the same rows of a whole pass.
 
     Batches come from :func:`~pytest_dnnsafety.loading.iter_batches` (which refuses data in a
     random order: row i must stay sample i) and go to the model's own device (``device`` only for
@@ -225,8 +229,12 @@ def capture(
     handles = [module.register_forward_hook(hook_for(layer)) for layer, module in modules.items()]
     try:
         with eval_mode(model), torch.no_grad():
-            total, done = _known_length(data), 0
-            for x, y in iter_batches(data, batch_size):
+            total, done = (_known_length(data), 0) if batches is None else (0, 0)
+            for index, (x, y) in enumerate(iter_batches(data, batch_size)):
+                if batches is not None and index < batches[0]:
+                    continue
+                if batches is not None and index >= batches[1]:
+                    break
                 x = x.to(target, non_blocking=target.type != "cpu")
                 out = guard(model, x)
                 if outputs is not None:
@@ -305,14 +313,18 @@ class ActivationCache:
         batch_size: int,
         device: torch.device | str,
         plan: Iterable[str] = (),
+        shard: Any = None,
     ) -> dict[str, LayerActivations]:
         """Activations of ``layers``; missing ones (and the plan's other layers) in one pass.
+
+        ``shard`` (a :class:`pytest_dnnsafety.ranks.Shard`, or None for all the data): only this
+        torchrun rank's rows, from a pass over its batches alone (cached apart from whole passes).
 
         A pass that fails (the model raised, its outputs were NaN/inf or of the wrong shape, the
         data was refused) fails every gate that needs one of its layers with the same error: the
         error is cached for all of the pass's layers, and the pass is not retried per gate.
         """
-        pair = (id(model), id(data))
+        pair = self._key(model, data, shard)
         for layer in layers:
             if (*pair, layer) in self._errors:
                 raise self._errors[(*pair, layer)]
@@ -324,14 +336,16 @@ class ActivationCache:
                      and (*pair, layer) not in self._errors]
             if extra:  # a bad planned layer must not break this gate; its own gate reports it
                 extra = [layer for layer in extra if _layer_ok(model, layer)]
-            self._pass(model, data, [*missing, *extra], batch_size=batch_size, device=device)
+            self._pass(model, data, [*missing, *extra], batch_size=batch_size, device=device, shard=shard)
         return {layer: self._entries[(*pair, layer)] for layer in layers}
 
     def outputs(self, model: Any, data: Any, *, batch_size: int, device: torch.device | str,
-                plan: Iterable[str] = ()) -> ModelOutputs:
+                plan: Iterable[str] = (), shard: Any = None) -> ModelOutputs:
         """The model's :class:`ModelOutputs` on ``data``: from a pass already made, else one pass that also
-        captures the plan's layers (so a later neuron gate on the same model and data costs nothing)."""
-        pair = (id(model), id(data))
+        captures the plan's layers (so a later neuron gate on the same model and data costs nothing).
+
+        ``shard``: as in :meth:`get` (row i of the result is row ``shard.rows[0] + i`` of the data)."""
+        pair = self._key(model, data, shard)
         if pair in self._outputs:
             return self._outputs[pair]
         if (*pair, "") in self._errors:
@@ -341,16 +355,28 @@ class ActivationCache:
                               f"torch.nn.Module as the `model` fixture.")
         layers = [layer for layer in plan if (*pair, layer) not in self._entries and (*pair, layer) not in self._errors
                   and _layer_ok(model, layer)]
-        self._pass(model, data, layers, batch_size=batch_size, device=device)
+        self._pass(model, data, layers, batch_size=batch_size, device=device, shard=shard)
         return self._outputs[pair]
 
-    def _pass(self, model: Any, data: Any, layers: list[str], *, batch_size: int, device: torch.device | str) -> None:
-        pair = (id(model), id(data))
+    @staticmethod
+    def _key(model: Any, data: Any, shard: Any) -> tuple[int, int, Any]:
+        return (id(model), id(data), None if shard is None else (shard.batches, shard.rows))
+
+    def _pass(self, model: Any, data: Any, layers: list[str], *, batch_size: int, device: torch.device | str,
+              shard: Any = None) -> None:
+        pair = self._key(model, data, shard)
         self._keep[pair] = (model, data)
         self.forward_passes += 1
         sink: list[ModelOutputs] = []
         try:
-            captured = capture(model, data, layers, batch_size=batch_size, device=device, outputs=sink)
+            captured = capture(model, data, layers, batch_size=batch_size, device=device, outputs=sink,
+                               batches=None if shard is None else shard.batches)
+            if shard is not None and sink[0].n_inputs != shard.n_local:
+                raise DataError(
+                    f"the data yielded {sink[0].n_inputs} rows in batches {shard.batches[0]}..{shard.batches[1] - 1}, "
+                    f"where rank {shard.rank} of {shard.world_size} expects rows {shard.rows[0]}..{shard.rows[1] - 1} "
+                    f"of {shard.n_rows}: the data's length or batches changed while it was read. Fix: give data of a "
+                    f"fixed length whose batches (except the last) all have the batch size")
         except DnnSafetyError as exc:
             for layer in (*layers, ""):
                 self._errors[(*pair, layer)] = exc

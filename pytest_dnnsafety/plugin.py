@@ -56,6 +56,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                             help=setting.help)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """torchrun: refuse pytest-xdist, and let only rank 0 write JUnit (before junitxml's configure reads it).
+
+    Ranks other than 0 also run quieter (one ``-q`` less): their tests' outcomes repeat rank 0's.
+    """
+    from . import ranks
+
+    if not ranks.launched():
+        return None
+    option = config.option
+    if getattr(option, "numprocesses", None) or getattr(option, "dist", "no") != "no":
+        raise pytest.UsageError(
+            "pytest-dnnsafety: torchrun and pytest-xdist (-n/--dist) cannot be combined: torchrun's ranks already "
+            "split the gates' work and must run the same tests in the same order. Fix: drop -n/--dist under "
+            "torchrun, or run pytest -n N without torchrun")
+    if not ranks.is_main():
+        option.xmlpath = None  # one JUnit file per run, from rank 0
+        option.verbose = min(int(getattr(option, "verbose", 0) or 0), 0) - 1
+    return None
+
+
 def _build_registry(config: pytest.Config) -> GateRegistry:
     """This run's gates: every ``pytest_dnnsafety_register_gates`` implementation, then :func:`register_gate` ones.
 

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Mapping
 
 import pytest
 
+from . import ranks
 from .config import Settings
 from .errors import DnnSafetyError
 from .gates import GateDef, GateSpec, evaluate, parse_marker, resolve_optional
@@ -111,6 +112,7 @@ class DnnSafetyPlugin:
         self.registry = registry
         self._writer: Any = _UNSET
         self.is_worker = hasattr(config, "workerinput")
+        self._threads: Any = None  # the torch thread plan, see threads_plan()
         self.cache: dict[str, Any] = {}
         self.plan: dict[str, list[dict[str, Any]]] = {}
         self.plan_sent = False
@@ -147,14 +149,25 @@ class DnnSafetyPlugin:
         configured = [f"{name}={self.settings.get(name).value}" for name in ("model", "data", "scenarios", "device",
                                                                               "seed")
                       if self.settings.get(name).source != "default"]
-        return f"dnnsafety: {', '.join(configured)}" if configured else None
+        configured.append(self.threads_plan().header(per_worker=self.distributed))
+        return f"dnnsafety: {', '.join(configured)}"
+
+    def threads_plan(self) -> Any:
+        """This process's torch thread plan (:mod:`.threads`), computed once (no torch import)."""
+        if self._threads is None:
+            from . import threads
+
+            self._threads = threads.plan(self.settings, self.config)
+        return self._threads
 
     # -- start: the evidence path must be usable before any test runs
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         option = self.config.option
-        if self.is_worker or any(getattr(option, name, False) for name in
-                                 ("collectonly", "showfixtures", "show_fixtures_per_test")):
+        if ranks.launched():  # torchrun: `cuda` is this rank's GPU before any fixture loads a model
+            ranks.select_device(str(self.settings.get("device").value))
+        if self.is_worker or not ranks.is_main() or any(getattr(option, name, False) for name in
+                                                        ("collectonly", "showfixtures", "show_fixtures_per_test")):
             return
         self.html_target = self._output_path("html", "reports/dnnsafety.html")
         self.baseline_target = self._output_path("save_baseline", "reports/baseline.json", remove_stale=False)
@@ -280,6 +293,11 @@ class DnnSafetyPlugin:
             if specs:
                 self.plan[item.nodeid] = [spec.plan_entry() for spec in specs]
                 self.gate_fixtures.update(name for spec in specs for name in spec.fixtures.values())
+        if self.plan and not getattr(self.config.option, "collectonly", False):
+            # Gates will run in this process: set torch's threads before any fixture or gate works (see .threads).
+            from . import threads
+
+            threads.apply(self.threads_plan(), owner=self.settings)
 
     # -- provenance: fingerprint what a gate will read as soon as its fixture returns it
 
@@ -351,7 +369,17 @@ class DnnSafetyPlugin:
             item.stash[_RESULTS] = [_row(spec.plan_entry(), item.nodeid, "not-evaluated", why,
                                          **({"message": message[0]} if message else {}))
                                     for spec in specs]
+            if ranks.active() and not isinstance(exc, (KeyboardInterrupt, SystemExit, pytest.exit.Exception)):
+                self._bodies_agree(f"{why}: {message[0]}" if message else why)  # the other ranks wait for it
             raise
+        if ranks.active():
+            failed = self._bodies_agree(None)
+            if failed:  # no rank evaluates: the sharded gates' collectives would miss that rank
+                r, why = failed[0]
+                item.stash[_RESULTS] = [_row(spec.plan_entry(), item.nodeid, "not-evaluated", f"rank {r}: {why}")
+                                        for spec in specs]
+                pytest.fail(f"the test body passed here but not on rank {r} of {ranks.world_size()} ({why}); its "
+                            "gates are not evaluated on any rank", pytrace=False)
         funcargs = getattr(item, "funcargs", {})
         if self._writer is _UNSET:
             self._writer = progress_writer(self.config)
@@ -361,6 +389,9 @@ class DnnSafetyPlugin:
             results.append(evaluate(spec, {role: funcargs[name] for role, name in spec.fixtures.items()},
                                     self.settings, item.nodeid, self.cache, writer=self._writer,
                                     inputs=self._inputs(item, spec, funcargs)))
+            if ranks.active():
+                timed = spec.marker in ranks.TIMED_MARKERS or bool(getattr(spec.definition, "timed", False))
+                ranks.agree_on_verdict(results[-1], timed)
         item.stash[_RESULTS] = results
         bad = [r for r in results if r.status != "passed"]
         if bad:
@@ -370,6 +401,15 @@ class DnnSafetyPlugin:
                 lines += [f"    {frame}" for frame in r.details.get("traceback", ())]
             pytest.fail("\n".join(lines), pytrace=False)
         return outcome
+
+    def _bodies_agree(self, why: str | None) -> list[tuple[int, str]]:
+        """torchrun: every rank says whether its test body passed (``why`` None) before any gate runs.
+
+        Returns the ranks whose body did not pass, with why. One collective per gated test, called
+        by every rank whatever its body did, so the gates' own collectives stay in step.
+        """
+        ranks.ensure_group(str(self.settings.get("device").value))
+        return [(r, text) for r, text in enumerate(ranks.gather(why)) if text is not None]
 
     def _not_run(self, item: pytest.Item, specs: list[GateSpec], report: pytest.TestReport) -> list[GateResult]:
         """Results for gates whose test never reached its body (setup skipped or failed)."""
@@ -464,6 +504,8 @@ class DnnSafetyPlugin:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.is_worker or not self.plan or getattr(self.config.option, "collectonly", False):
             return
+        if not ranks.is_main():  # torchrun: rank 0 writes the evidence, the summaries and the hook calls
+            return
         from . import report
 
         rows = self.rows = self.all_results()
@@ -552,6 +594,9 @@ class DnnSafetyPlugin:
             tr.write_line(f"GitHub job summary not written: {self.step_summary_error}", yellow=True)
         for error in self.hook_errors:
             tr.write_line(f"pytest_dnnsafety_gate_result raised for {error}; the run fails", red=True, bold=True)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        ranks.close()  # the process group, if the plugin created it
 
 
 def _write_html(path: Path, evidence: dict[str, Any]) -> Path:

@@ -2,6 +2,11 @@
 
 Engines in :mod:`..engines.neurons`; layer activations come from the session's
 :class:`~pytest_dnnsafety.activations.ActivationCache` (one forward pass per model and data).
+
+Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
+batches and the engine states are all-reduced (coverage flags: ``or``; the pattern histogram:
+``sum``), which gives exactly the single-process value: eq. (2)'s occupied cells are the union of
+the cells each shard occupies, eq. (3)'s group sizes the sum of the shards' counts.
 """
 
 from __future__ import annotations
@@ -17,26 +22,38 @@ from .coverage import K
 __all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dnnsafety_register_gates"]
 
 
-def _layer_activations(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
-    """The gate's layer activations from the session's cache (one forward pass shared by all gates)."""
+def _layer_activations(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, shard: Any = None) -> Any:
+    """The gate's layer activations from the session's cache (one forward pass shared by all gates).
+
+    With ``shard`` (a torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard`) only that rank's rows.
+    """
     from ..activations import ActivationCache
 
     cache = ctx.cache.setdefault("activations", ActivationCache())
     plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
     layer = spec.options["layer"]
     return cache.get(fx["model"], fx["data"], [layer], batch_size=ctx.batch_size, device=ctx.device,
-                     plan=plan)[layer]
+                     plan=plan, shard=shard)[layer]
 
 
 def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
+    from .. import ranks
     from ..engines.neurons import NeuronKActivationEngine
 
     opts = spec.options
-    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
-    engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"], activation_threshold=opts["activation_threshold"],
-                                     device=acts.device)
-    engine.update(acts)
+    shard = ranks.batch_shard(fx["data"], ctx.batch_size)
+
+    def local() -> NeuronKActivationEngine:
+        acts = _layer_activations(spec, fx, ctx, shard).reduced(opts["reduce"])
+        engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"],
+                                         activation_threshold=opts["activation_threshold"], device=acts.device)
+        engine.update(acts)
+        return engine
+
+    engine = ranks.together(local, sharded=shard is not None)
+    if shard is not None:
+        engine.sync()  # occupied cells: or; inputs: sum
     res = engine.compute()
     details = {"layer": opts["layer"], "reduce": opts["reduce"], **res.to_details()}
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
@@ -44,29 +61,39 @@ def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: Gat
 
 def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
+    from .. import ranks
     from ..engines.neurons import NeuronPatternEngine
     from ..scenarios import ScenarioTable
 
     opts = spec.options
-    acts = _layer_activations(spec, fx, ctx).reduced(opts["reduce"])
-    scope = "all inputs"
-    if opts["where"] is not None:
-        table = fx["scenarios"]
-        if not isinstance(table, ScenarioTable):
-            raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
-                              "not a ScenarioTable; `where` needs the scenario table")
-        from ..scenarios import check_rows_match
+    shard = ranks.batch_shard(fx["data"], ctx.batch_size)
+    scope = "all inputs" if opts["where"] is None else ", ".join(f"{k}={v}" for k, v in opts["where"].items())
 
-        check_rows_match(table, int(acts.shape[0]), table_fixture=spec.fixtures["scenarios"],
-                         data_fixture=spec.fixtures["data"])
-        mask = table.row_mask(opts["where"]).to(acts.device)
-        acts = acts[mask]
-        scope = ", ".join(f"{k}={v}" for k, v in opts["where"].items())
-        if acts.shape[0] == 0:
-            raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
-    engine = NeuronPatternEngine(acts.shape[1], groups=opts["groups"],
-                                 activation_threshold=opts["activation_threshold"], device=acts.device)
-    engine.update(acts)
+    def local() -> NeuronPatternEngine:
+        acts = _layer_activations(spec, fx, ctx, shard).reduced(opts["reduce"])
+        if opts["where"] is not None:
+            table = fx["scenarios"]
+            if not isinstance(table, ScenarioTable):
+                raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
+                                  "not a ScenarioTable; `where` needs the scenario table")
+            from ..scenarios import check_rows_match
+
+            check_rows_match(table, int(acts.shape[0]) if shard is None else shard.n_rows,
+                             table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
+            mask = table.row_mask(opts["where"])
+            if shard is not None:  # the table rows of this rank's data rows
+                mask = mask[shard.row_slice]
+            acts = acts[mask.to(acts.device)]
+        engine = NeuronPatternEngine(acts.shape[1], groups=opts["groups"],
+                                     activation_threshold=opts["activation_threshold"], device=acts.device)
+        engine.update(acts)
+        return engine
+
+    engine = ranks.together(local, sharded=shard is not None)
+    if shard is not None:
+        engine.sync()  # histogram of active-neuron counts: sum
+    if opts["where"] is not None and int(engine.histogram.sum()) == 0:  # over all ranks' rows
+        raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
     res = engine.compute()
     details = {"layer": opts["layer"], "reduce": opts["reduce"], "where": opts["where"], **res.to_details()}
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)

@@ -12,6 +12,12 @@ with no row at all are *empty*; either makes the gate inconclusive (it fails, na
 unless ``allow_small_groups`` / ``allow_empty_groups`` says otherwise, and then they are left out of
 the gated value. Groups the declared restrictions rule out are never required. No torch import at
 module level.
+
+Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
+batches, counts its rows' groups (the scenario table rows sliced alike) and the engine's counts are
+all-reduced (``sum``): the same counts, hence the same accuracies and Clopper–Pearson bounds, as one
+process. A user ``metric=`` is not decomposable (a macro F1 is not a sum over shards): it is called
+on every rank's predictions gathered into one tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ __all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafet
 
 def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     """The gate's :class:`ScenarioPerformanceResult` (predictions from the session's shared pass)."""
+    from .. import ranks
     from ..activations import ActivationCache
     from ..engines.performance import ScenarioPerformanceEngine, resolve_by
     from ..scenarios import ScenarioTable, check_rows_match, count_samples
@@ -43,25 +50,52 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
                      data_fixture=spec.fixtures["data"])
     cache = ctx.cache.setdefault("activations", ActivationCache())
     plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
-    out = cache.outputs(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device, plan=plan)
-    if out.labels is None:
-        raise MetricError(f"the data (fixture {spec.fixtures['data']!r}) has no labels; accuracy per scenario needs "
-                          "them. Fix: give labelled evaluation data, e.g. an .npz with arrays x and y")
-    check_rows_match(table, out.n_inputs, table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
+    shard = ranks.batch_shard(fx["data"], ctx.batch_size)  # None: the whole data on every rank
+
+    def predict() -> tuple[Any, tuple[int, int, int] | None]:
+        out = cache.outputs(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device, plan=plan,
+                            shard=shard)
+        if out.labels is None:
+            raise MetricError(f"the data (fixture {spec.fixtures['data']!r}) has no labels; accuracy per scenario "
+                              "needs them. Fix: give labelled evaluation data, e.g. an .npz with arrays x and y")
+        check_rows_match(table, out.n_inputs if shard is None else shard.n_rows,
+                         table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
+        extremes = None
+        if opts["per_class"]:
+            extremes = (int(out.labels.min()), int(out.labels.max()), int(out.predictions.max()))
+        return out, extremes
+
+    out, extremes = ranks.together(predict, sharded=shard is not None)
     num_classes = None
     if opts["per_class"]:
-        low, high = int(out.labels.min()), int(out.labels.max())
-        num_classes = out.num_classes or max(high, int(out.predictions.max())) + 1
+        seen = ranks.gather(extremes) if shard is not None else [extremes]
+        low, high, top = min(e[0] for e in seen), max(e[1] for e in seen), max(e[2] for e in seen)
+        num_classes = out.num_classes or max(high, top) + 1
         if low < 0 or high >= num_classes:
             raise MetricError(f"labels range over {low}..{high} but the model has {num_classes} classes. Fix: give "
                               f"labels 0..{num_classes - 1}")
-    engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
-                                                  min_samples=opts["min_samples"], num_classes=num_classes,
-                                                  device=out.predictions.device)
-    groups = engine.group_index(table)
-    engine.update(groups, out.predictions == out.labels, out.labels if num_classes else None)
+
+    def count() -> tuple[Any, Any]:
+        engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
+                                                      min_samples=opts["min_samples"], num_classes=num_classes,
+                                                      device=out.predictions.device)
+        groups = engine.group_index(table)
+        mine = groups if shard is None else groups[shard.row_slice]  # the table rows of this rank's data rows
+        engine.update(mine, out.predictions == out.labels, out.labels if num_classes else None)
+        return engine, groups
+
+    engine, groups = ranks.together(count, sharded=shard is not None)
+    if shard is not None:
+        engine.sync()  # per-group (and per-class) row and hit counts: sum
     result = engine.compute()
-    user = _user_metric(opts["metric"], result, groups, out.predictions, out.labels)
+    predictions, labels = out.predictions, out.labels
+    if opts["metric"] is not None and shard is not None:  # not decomposable: every rank's rows in one tensor
+        import torch
+
+        parts = ranks.gather((predictions.cpu(), labels.cpu()))
+        predictions = torch.cat([p for p, _ in parts]).to(groups.device)
+        labels = torch.cat([y for _, y in parts]).to(groups.device)
+    user = _user_metric(opts["metric"], result, groups, predictions, labels)
     return result, user
 
 
