@@ -49,7 +49,7 @@ from typing import Any, Callable, TypeVar
 from .errors import ConfigError, MetricError
 from .results import GateResult
 
-__all__ = ["TIMED_MARKERS", "agree_on_verdict", "Shard", "launched", "active", "rank", "world_size", "local_rank", "is_main", "backend", "ensure_group",
+__all__ = ["TIMED_MARKERS", "agree_on_verdict", "merged", "Shard", "launched", "active", "rank", "world_size", "local_rank", "is_main", "backend", "ensure_group",
            "close", "shard", "batch_shard", "gather", "together", "describe", "TIMEOUT_ENV"]
 
 #: Environment variables torchrun sets in every process it starts.
@@ -318,6 +318,18 @@ def together(work: Callable[[], _T], sharded: bool = True) -> _T:
         raise MetricError(f"rank {r} of {len(told)} failed on its shard: {text}. Every rank stops this gate (the "
                           f"state all-reduce needs them all); fix that rank's error")
     return value
+
+
+def merged(work: Callable[[], _T], shard: Any) -> _T:
+    """An engine filled by ``work()`` on this rank's ``shard`` (see :func:`together`), its states all-reduced.
+
+    ``shard`` is :func:`batch_shard`'s answer: ``None`` means every rank evaluated the data whole,
+    and the engine is returned as filled (no collective).
+    """
+    engine = together(work, sharded=shard is not None)
+    if shard is not None:
+        engine.sync()
+    return engine
 
 
 # ---------------------------------------------------------------------------------- verdict agreement

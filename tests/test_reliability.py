@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -25,23 +24,13 @@ from pytest_dnnsafety.engines.reliability import (
 )
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.profile import PCA, OperationalProfile
+from _reliability import _quiet, _truth
 
 UNIT_BOX = ([0.0, 0.0], [1.0, 1.0])
 
 
 def _uniform(n: int, seed: int, d: int = 2) -> torch.Tensor:
     return torch.rand(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _truth(x: torch.Tensor) -> torch.Tensor:
-    """Ground truth of the synthetic problems: class 1 right of x₁ = 0.5."""
-    return (x[:, 0] >= 0.5).long()
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReliabilityWarning)
-        return fn(*args, **kwargs)
 
 
 # ====================================================================== grid

@@ -19,22 +19,13 @@ from pytest_dnnsafety.engines.reliability import (
 )
 from pytest_dnnsafety.engines.reliability.allocation import CLEAN, FAILING, plan_adaptive
 from pytest_dnnsafety.errors import ConfigError, DataError
+from _reliability import _quiet, _truth
 
 UNIT_BOX = ([0.0, 0.0], [1.0, 1.0])
 
 
 def _uniform(n: int, seed: int) -> torch.Tensor:
     return torch.rand(n, 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def _truth(x: torch.Tensor) -> torch.Tensor:
-    return (x[:, 0] >= 0.5).long()
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReliabilityWarning)
-        return fn(*args, **kwargs)
 
 
 def _strip_model(side: float, strip: float):

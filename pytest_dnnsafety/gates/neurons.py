@@ -51,9 +51,7 @@ def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: Gat
         engine.update(acts)
         return engine
 
-    engine = ranks.together(local, sharded=shard is not None)
-    if shard is not None:
-        engine.sync()  # occupied cells: or; inputs: sum
+    engine = ranks.merged(local, shard)  # occupied cells: or; inputs: sum
     res = engine.compute()
     details = {"layer": opts["layer"], "reduce": opts["reduce"], **res.to_details()}
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
@@ -89,9 +87,7 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
         engine.update(acts)
         return engine
 
-    engine = ranks.together(local, sharded=shard is not None)
-    if shard is not None:
-        engine.sync()  # histogram of active-neuron counts: sum
+    engine = ranks.merged(local, shard)  # histogram of active-neuron counts: sum
     if opts["where"] is not None and int(engine.histogram.sum()) == 0:  # over all ranks' rows
         raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
     res = engine.compute()
