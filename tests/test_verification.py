@@ -220,3 +220,18 @@ def test_bounds_that_miss_the_models_own_outputs_are_an_error() -> None:
     x, y = digits_images(16)
     with pytest.raises(MetricError, match="do not contain the model's own margins"):
         verify_robustness(model, (x, y), 0.01, clip=CLIP)
+
+
+def test_ibp_verifies_through_the_margin_specification(held_out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """method="ibp" bounds z_y − z_j with the margin spec folded into the last layer, not as lb_y − ub_j."""
+    from pytest_dnnsafety.engines.robustness.bounds import BoundedModel, input_box
+
+    model = digits_cnn()
+    result = verify_robustness(model, held_out, 0.01, method="ibp", clip=CLIP, batch_size=128)
+    x, y = held_out
+    x_lo, x_hi = input_box(x, 0.01, CLIP)
+    lo, hi = BoundedModel(model).ibp(x_lo, x_hi)
+    logits = (lo.gather(1, y[:, None]) - hi).scatter(1, y[:, None], math.inf)
+    old = int((logits.min(1).values > 0).sum())  # what bounding the logits and subtracting verifies
+    assert result.method == "ibp" and result.verified > 2 * old
+    assert result.verified + result.falsified + result.unknown == 200

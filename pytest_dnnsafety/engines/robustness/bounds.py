@@ -24,8 +24,11 @@ anything else with :class:`UnsupportedLayerError` naming the layer — never a s
   (≤ 4096 values) lets the affine layers before the first nonlinearity collapse into one dense
   Jacobian. Work is chunked over the batch and over the bounded rows so that no intermediate
   tensor holds more than ``max_elements`` values.
-* :meth:`BoundedModel.margin_lower_bounds` — lower bounds of ``z_y − z_j``; CROWN bounds the
-  margin as one linear function (``C = e_y − e_j``), tighter than two separate bounds.
+* :meth:`BoundedModel.margin_lower_bounds` — lower bounds of ``z_y − z_j``; both methods bound
+  the margin as one linear function (the specification ``C = e_y − e_j``), tighter than two
+  separate bounds: IBP folds ``C`` into the affine layers at the end of the network (``C·W``
+  over the interval of the last linear layer's input; Gowal et al. 2018, §3, "elision of the
+  last layer"), CROWN propagates it backward.
 
 The bounds are sound up to floating-point rounding (about 1e-6 relative in float32): compare them
 with a small tolerance. Everything runs under ``torch.no_grad`` on the model's device in the
@@ -270,14 +273,20 @@ class BoundedModel:
         return BoundState(ops, out, x_lo, x_hi, self.max_elements)
 
     # ------------------------------------------------------------------ public bounds
-    def ibp(self, x_lo: Tensor, x_hi: Tensor, *, check: bool = True) -> tuple[Tensor, Tensor]:
+    def ibp(self, x_lo: Tensor, x_hi: Tensor, *, check: bool = True,
+            spec: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Interval bound propagation (Gowal et al. 2018): ``(lo, hi)`` of the output over the box.
 
         ``check=False`` skips the box's value checks (finite, ``x_lo ≤ x_hi``), which read it on the
         host: for a device loop that checks its boxes itself (see :func:`box_problems`).
+        ``spec`` (shaped as for :meth:`crown`): bounds ``(B, K)`` of ``spec·output`` instead, the
+        spec folded into the affine layers at the end of the network (never looser than combining
+        the output's bounds; see :meth:`BoundState.folded_spec_ibp`).
         """
         with torch.no_grad():
             state = self._prepare(x_lo, x_hi, check)
+            if spec is not None:
+                return state.spec_ibp(state.spec(spec)[0])
             return state.ivs[state.out]
 
     def crown(self, x_lo: Tensor, x_hi: Tensor, spec: Tensor | None = None, *,
@@ -307,8 +316,11 @@ class BoundedModel:
                             check: bool = True) -> Tensor:
         """Lower bounds ``(B, classes)`` of ``z_y − z_j`` over the box (``+inf`` at ``j = y``).
 
-        ``method="ibp"``: ``lb_y − ub_j``; ``"crown"``: CROWN on the spec ``e_y − e_j``, intersected
-        with the IBP margin. All positive in a row ⇒ no input of the box is misclassified.
+        ``method="ibp"``: IBP with the margin spec ``C = e_y − e_j`` folded into the last affine
+        layers (``C·W`` bounded over the interval of the last layer's input; Gowal et al. 2018, §3),
+        never looser than ``lb_y − ub_j``, which it falls back to when the last op is not affine;
+        ``"crown"``: CROWN on the same spec, intersected with that IBP margin. All positive in a row
+        ⇒ no input of the box is misclassified.
 
         ``check=False`` skips the checks that read values on the host (the box's, as for
         :meth:`ibp`, and the labels' range): for a device loop that checks them itself. Labels
@@ -331,10 +343,11 @@ class BoundedModel:
             if not check:  # an index out of range would be a device-side assert on CUDA
                 y = y.clamp(0, n - 1)
             lo, hi = state.ivs[state.out]
-            margins = lo.gather(1, y[:, None]) - hi
+            eye = torch.eye(n, dtype=lo.dtype, device=lo.device)
+            spec = eye[y].unsqueeze(1) - eye.unsqueeze(0)  # (B, n, n): rows e_y − e_j
+            # the spec folded into the last affine layers, intersected with lb_y − ub_j (never looser)
+            margins = torch.maximum(lo.gather(1, y[:, None]) - hi, state.folded_spec_ibp(spec)[0])
             if method == "crown":
-                eye = torch.eye(n, dtype=lo.dtype, device=lo.device)
-                spec = eye[y].unsqueeze(1) - eye.unsqueeze(0)  # (B, n, n): rows e_y − e_j
                 margins = torch.maximum(margins, state.lower(state.out, spec, False))
             return margins.scatter(1, y[:, None], math.inf)
 

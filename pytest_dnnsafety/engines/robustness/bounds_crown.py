@@ -21,6 +21,9 @@ relaxations, and runs the backward linear bound propagation:
   affine layers instead of thousands of rows backward.
 * The affine nodes in front of the first nonlinearity collapse into dense Jacobians when the
   input is small (:meth:`BoundState._dense_tail`).
+* IBP of a specification (:meth:`BoundState.spec_ibp`, :meth:`BoundState.folded_spec_ibp`): the
+  spec's rows go back through the affine ops at the end of the graph (the same sweep, stopped at
+  the last nonlinearities) and are concretised over those nodes' IBP intervals.
 
 Memory: no coefficient tensor holds more than ``max_elements`` values (chunks over the batch and
 over the rows). Pure torch; no pytest import.
@@ -44,7 +47,7 @@ import torch
 from torch import Tensor
 
 from ...errors import DataError
-from .bounds_ops import Op, ReluOp, ReshapeOp
+from .bounds_ops import Op, ReluOp, ReshapeOp, _row_dot
 
 __all__ = ["BoundState"]
 
@@ -124,13 +127,59 @@ class BoundState:
         raise DataError(f"spec of shape {tuple(spec.shape)} does not fit {self.batch} inputs and outputs of "
                         f"per-sample shape {out_shape}; expected (B, K, {n}) or (K, {n}).")
 
-    def spec_ibp(self, spec: Tensor) -> tuple[Tensor, Tensor]:
+    def spec_ibp(self, spec: Tensor, fold: bool = True) -> tuple[Tensor, Tensor]:
+        """IBP bounds ``(B, K)`` of ``spec·output`` (``spec`` ``(Bs, K, *out_shape)``, Bs 1 or B).
+
+        ``fold=False``: from the output's interval (``spec⁺·hi + spec⁻·lo``, the logits bounded, then
+        combined). ``fold=True``: that, intersected with :meth:`folded_spec_ibp` (the spec folded
+        into the affine layers at the end of the network), so never looser.
+        """
         lo, hi = self.ivs[self.out]
         c, r = ((lo + hi) / 2).flatten(1), ((hi - lo) / 2).flatten(1)
         s = spec.flatten(2)
         mid = torch.matmul(s, c.unsqueeze(-1)).squeeze(-1)
         rad = torch.matmul(s.abs(), r.unsqueeze(-1)).squeeze(-1)
-        return mid - rad, mid + rad
+        if not fold:
+            return mid - rad, mid + rad
+        f_lo, f_hi = self.folded_spec_ibp(spec)
+        return torch.maximum(mid - rad, f_lo), torch.minimum(mid + rad, f_hi)
+
+    def folded_spec_ibp(self, spec: Tensor) -> tuple[Tensor, Tensor]:
+        """IBP bounds ``(B, K)`` of ``spec·output`` with the spec folded into the network's affine tail.
+
+        The rows of ``spec`` go backward through the affine ops at the end of the graph (for a
+        classifier: ``C·W`` and ``C·b`` of its last linear layer, with ``C`` the margin spec
+        ``e_y − e_j``; through every affine op up to the last nonlinearities, residual sums
+        included) and are concretised over the IBP intervals of the nodes where they stop:
+        ``A·c + bias ± |A|·r``. As ``|A·W| ≤ |A|·|W|`` this is never looser than bounding the
+        outputs first (the "elision of the last layer" of Gowal et al. 2018, §3, and the margin
+        specification of auto_LiRPA's IBP); it is the same when the last op is nonlinear (nothing
+        to fold). Chunked over the batch and rows within ``max_elements``; no host reads.
+        """
+        bs, k = spec.shape[:2]
+        dtype, device = self.centre.dtype, self.centre.device
+        widest = max(self.ops[i].numel for i in self.ancestors[self.out])
+        k_chunk = max(1, min(k, self.max_elements // widest))
+        # shared rows (bs = 1) go back once for the whole batch; per-sample rows in chunks of samples
+        b_chunk = self.batch if bs == 1 else max(1, self.max_elements // (k_chunk * widest))
+        mids = torch.empty((self.batch, k), dtype=dtype, device=device)
+        rads = torch.empty_like(mids)
+        for k0 in range(0, k, k_chunk):
+            k1 = min(k, k0 + k_chunk)
+            for b0 in range(0, self.batch, b_chunk):
+                b1 = min(self.batch, b0 + b_chunk)
+                pending = {self.out: spec[:, k0:k1] if bs == 1 else spec[b0:b1, k0:k1]}
+                bias = self._sweep(self.out, pending, None, set(), None)  # affine ops only: stops at the frontier
+                mid = torch.zeros((b1 - b0, k1 - k0), dtype=dtype, device=device)
+                if bias is not None:
+                    mid = mid + bias
+                rad = torch.zeros_like(mid)
+                for j, a in pending.items():  # the frontier: nonlinear nodes, affine nodes feeding one, the input
+                    lo, hi = (t[b0:b1] for t in self.ivs[j])
+                    mid = mid + _row_dot(a, (lo + hi) / 2)
+                    rad = rad + _row_dot(a.abs(), (hi - lo) / 2)
+                mids[b0:b1, k0:k1], rads[b0:b1, k0:k1] = mid, rad
+        return mids - rads, mids + rads
 
     # ------------------------------------------------------------------ intermediate bounds
     def _ensure(self, target: int) -> None:
