@@ -1,7 +1,8 @@
 """The hooks pytest-dnnsafety adds to pytest (loaded through ``pytest_addhooks``, as pytest-xdist does).
 
 Implement them in a ``conftest.py`` or in an installed plugin (a ``pytest11`` entry point, or a
-module given with ``-p``) with ``@pytest_dnnsafety.hookimpl`` (the same object as ``pytest.hookimpl``)::
+module given with ``-p``) with ``@pytest_dnnsafety.hookimpl`` (``pytest.hookimpl`` that marks this
+plugin's hooks optional, see :func:`hookimpl`)::
 
     from pytest_dnnsafety import GateDef, Measurement, Param, hookimpl
 
@@ -16,7 +17,7 @@ module given with ``-p``) with ``@pytest_dnnsafety.hookimpl`` (the same object a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import pytest
 
@@ -29,8 +30,36 @@ __all__ = ["hookspec", "hookimpl", "pytest_dnnsafety_register_gates", "pytest_dn
 #: ``pluggy.HookspecMarker("pytest")``: the marker of pytest hook specifications.
 hookspec = pytest.hookspec
 
-#: ``pluggy.HookimplMarker("pytest")`` (``pytest.hookimpl``): mark implementations of these hooks.
-hookimpl = pytest.hookimpl
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: The prefix of this plugin's hook names: implementations of them are optional hooks.
+HOOK_PREFIX = "pytest_dnnsafety_"
+
+
+def hookimpl(function: "_F | None" = None, *, hookwrapper: bool = False, optionalhook: "bool | None" = None,
+             tryfirst: bool = False, trylast: bool = False, specname: "str | None" = None,
+             wrapper: bool = False) -> Any:
+    """``pytest.hookimpl`` (same arguments, ``@hookimpl`` and ``@hookimpl(...)``) for this plugin's hooks.
+
+    The one difference: ``optionalhook`` defaults to True for a hook named ``pytest_dnnsafety_*``
+    (the function's name, or ``specname``), the way pytest plugins mark their implementations of
+    another plugin's hooks. Without it a ``conftest.py`` that registers gates ends pytest in an
+    INTERNALERROR (``unknown hook 'pytest_dnnsafety_register_gates'``) whenever the plugin is not
+    loaded (``-p no:dnnsafety``). Other hooks (``pytest_configure`` ...) keep pytest's default, so
+    a misspelled pytest hook is still reported. A misspelled ``pytest_dnnsafety_*`` hook is reported by the plugin when it is active (a
+    usage error, for the plugins and ``conftest.py`` files registered when pytest configures).
+    Implement this plugin's hooks with this marker, not with ``pytest.hookimpl`` or undecorated:
+    pytest would then require the hook to exist.
+    """
+
+    def mark(func: "_F") -> "_F":
+        optional = optionalhook
+        if optional is None:
+            optional = (specname or getattr(func, "__name__", "")).startswith(HOOK_PREFIX)
+        return pytest.hookimpl(func, hookwrapper=hookwrapper, optionalhook=optional, tryfirst=tryfirst,
+                               trylast=trylast, specname=specname, wrapper=wrapper)
+
+    return mark if function is None else mark(function)
 
 
 @hookspec(historic=True)

@@ -99,7 +99,30 @@ def _build_registry(config: pytest.Config) -> GateRegistry:
     return registry
 
 
+def _check_hook_names(config: pytest.Config) -> None:
+    """A ``pytest_dnnsafety_*`` implementation of no hook of this plugin (a misspelling) is a usage error.
+
+    ``pytest_dnnsafety.hookimpl`` marks these implementations optional (so a conftest works with
+    ``-p no:dnnsafety``), which stops pytest from reporting unknown ones: the plugin does it here,
+    for the plugins and ``conftest.py`` files registered by now.
+    """
+    from .hookspecs import HOOK_PREFIX
+
+    hook = config.pluginmanager.hook
+    for name in sorted(vars(hook)):
+        caller = getattr(hook, name)
+        if name.startswith(HOOK_PREFIX) and hasattr(caller, "has_spec") and not caller.has_spec():
+            sources = ", ".join(sorted({str(getattr(impl.plugin, "__file__", impl.plugin_name))
+                                        for impl in caller.get_hookimpls()}))
+            known = ", ".join(n for n in sorted(vars(hook)) if n.startswith(HOOK_PREFIX) and
+                              getattr(getattr(hook, n), "has_spec", lambda: False)())
+            raise pytest.UsageError(
+                f"pytest-dnnsafety: unknown hook {name!r} in {sources}: pytest-dnnsafety has no such hook. "
+                f"Fix: rename it to one of {known}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _check_hook_names(config)
     registry = config.stash[_REGISTRY] = _build_registry(config)
     settings = Settings.from_pytest_config(config)
     try:

@@ -166,6 +166,14 @@ class DnnSafetyPlugin:
         option = self.config.option
         if ranks.launched():  # torchrun: `cuda` is this rank's GPU before any fixture loads a model
             ranks.select_device(str(self.settings.get("device").value))
+        from .report.paths import check_collisions, run_outputs
+
+        try:  # before any output path is touched: two outputs on one file, or one on the baseline
+            self.output_files = run_outputs(self.settings, junitxml=getattr(option, "xmlpath", None),
+                                            invocation_dir=Path(self.config.invocation_params.dir))
+            check_collisions(self.output_files)
+        except DnnSafetyError as exc:
+            raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
         if self.is_worker or not ranks.is_main() or any(getattr(option, name, False) for name in
                                                         ("collectonly", "showfixtures", "show_fixtures_per_test")):
             return
@@ -242,6 +250,9 @@ class DnnSafetyPlugin:
                 for fixture in spec.fixtures.values():
                     if fixture not in names:
                         names.append(fixture)
+        from .report.paths import check_gate_outputs
+
+        check_gate_outputs(item.nodeid, specs, self.settings.ini_dir, getattr(self, "output_files", ()))
         item.stash[_SPECS] = specs
         return specs
 

@@ -14,12 +14,17 @@ Policy (:func:`plan`), first match wins:
 
 1. the plugin's ``threads`` setting, run-wide (CLI ``--dnnsafety-threads`` > env
    ``DNNSAFETY_THREADS`` > ini ``dnnsafety_threads``; no marker keyword: the thread pool is one per
-   process). An integer is used as given; an explicit ``auto`` asks for rule 3 even when
-   ``OMP_NUM_THREADS`` is set.
+   process). An integer is used up to the usable cores (below); an explicit ``auto`` asks for
+   rule 3 even when ``OMP_NUM_THREADS`` is set.
 2. ``OMP_NUM_THREADS``, then ``MKL_NUM_THREADS``, when set to a positive integer: the variables
-   users already set for every OpenMP program, used as given. (torch reads them at import but caps
-   them at its core count — ``OMP_NUM_THREADS=3`` gives 2 threads on 2 cores — so the plugin sets
-   the value itself and the header never shows a count torch does not use.)
+   users already set for every OpenMP program, used up to the usable cores. (torch reads them at
+   import but caps them at its core count — ``OMP_NUM_THREADS=3`` gives 2 threads on 2 cores — so
+   the plugin sets the value itself and the header never shows a count torch does not use.)
+
+A count from rule 1 or 2 above the usable cores is capped at them, and the header says so
+(``threads=2 (from OMP_NUM_THREADS: 100000 capped at the 2 usable cores)``): more threads than
+cores only spin at OpenMP's barriers, and ``torch.set_num_threads(100000)`` ends the process in a
+segmentation fault when OpenMP fails to start that many threads.
 3. ``auto``: ``max(1, min(cores // processes, cores - busy))`` where
 
    * ``cores`` are the usable cores: this process's CPU affinity, capped by a cgroup CPU quota
@@ -223,6 +228,15 @@ def _processes(config: Any, env: Mapping[str, str]) -> tuple[int, str]:
     return workers * ranks, " × ".join(parts)
 
 
+def _capped(count: int, source: str, reason: str, cores: int | None) -> ThreadPlan:
+    """A count the user gave, capped at the usable cores (the reason says so when it is)."""
+    cores = usable_cores() if cores is None else int(cores)
+    if count <= cores:
+        return ThreadPlan(count, source, reason)
+    return ThreadPlan(cores, source, f"{reason}: {count} capped at the {cores} usable core{'s' if cores != 1 else ''}",
+                      cores=cores)
+
+
 def plan(settings: Any, config: Any = None, *, env: Mapping[str, str] | None = None, cores: int | None = None,
          busy: float | None | bool = True, processes: int | None = None) -> ThreadPlan:
     """The thread count for this process (see the module docstring for the policy).
@@ -236,12 +250,12 @@ def plan(settings: Any, config: Any = None, *, env: Mapping[str, str] | None = N
     env = os.environ if env is None else env
     resolved = settings.get("threads")
     if resolved.source != "default" and resolved.value != "auto":
-        return ThreadPlan(int(resolved.value), resolved.source, f"from {resolved.source}")
+        return _capped(int(resolved.value), resolved.source, f"from {resolved.source}", cores)
     if resolved.source == "default":
         found = _env_threads(env)
         if found is not None:
             name, count = found
-            return ThreadPlan(count, f"environment variable {name}", f"from {name}")
+            return _capped(count, f"environment variable {name}", f"from {name}", cores)
     cores = usable_cores() if cores is None else int(cores)
     if processes is None:
         processes, shared_by = _processes(config, env)

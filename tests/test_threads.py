@@ -66,17 +66,17 @@ def test_controller_plans_for_its_workers_and_torchrun_ranks_share_too() -> None
     ("2", "5", "3", 2, "command-line option --dnnsafety-threads"),
 ])
 def test_a_user_setting_wins_over_omp_num_threads_and_auto(cli, env, ini, expected, source) -> None:
-    plan = threads.plan(_settings(cli, env, ini), env={"OMP_NUM_THREADS": "7"}, cores=2, busy=2.0)
+    plan = threads.plan(_settings(cli, env, ini), env={"OMP_NUM_THREADS": "7"}, cores=8, busy=2.0)
     assert plan.threads == expected and plan.source.startswith(source)
     assert plan.header() == f"threads={expected} (from {plan.source})"
 
 
 def test_omp_then_mkl_num_threads_are_respected() -> None:
-    plan = threads.plan(_settings(), env={"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "5"}, cores=2, busy=0)
+    plan = threads.plan(_settings(), env={"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "5"}, cores=8, busy=0)
     assert (plan.threads, plan.source) == (3, "environment variable OMP_NUM_THREADS")
     assert plan.header() == "threads=3 (from OMP_NUM_THREADS)"
-    assert threads.plan(_settings(), env={"MKL_NUM_THREADS": "5"}, cores=2, busy=0).threads == 5
-    assert threads.plan(_settings(), env={"OMP_NUM_THREADS": "4,2"}, cores=2, busy=0).threads == 4  # nested
+    assert threads.plan(_settings(), env={"MKL_NUM_THREADS": "5"}, cores=8, busy=0).threads == 5
+    assert threads.plan(_settings(), env={"OMP_NUM_THREADS": "4,2"}, cores=8, busy=0).threads == 4  # nested
     # not a count: torch ignores it too, so auto decides
     assert threads.plan(_settings(), env={"OMP_NUM_THREADS": "many"}, cores=2, busy=0).source == "auto"
     # an explicit plugin "auto" asks for the plugin's policy even with OMP_NUM_THREADS set
@@ -198,14 +198,14 @@ def _run(project: GateProject, log: Path, *args: str, env: dict[str, str] | None
 @pytest.mark.slow
 def test_header_shows_the_threads_an_ini_setting_wins_and_imports_are_startup(gate_project: GateProject) -> None:
     log = _probe_project(gate_project, slow_import=0.6)
-    gate_project.ini["dnnsafety_threads"] = "3"
+    gate_project.ini["dnnsafety_threads"] = "1"
     out, seen = _run(gate_project, log, env={"OMP_NUM_THREADS": "2"})
-    header = re.search(r"^dnnsafety: .*threads=3 \(from ini option dnnsafety_threads in .*pyproject.toml\)$", out,
+    header = re.search(r"^dnnsafety: .*threads=1 \(from ini option dnnsafety_threads in .*pyproject.toml\)$", out,
                        re.M)
     assert header, out
-    assert [s["torch_threads"] for s in seen] == [3, 3]  # set before the gates ran, above OMP_NUM_THREADS
+    assert [s["torch_threads"] for s in seen] == [1, 1]  # set before the gates ran, over OMP_NUM_THREADS
     env = json.loads((gate_project.pytester.path / "e.json").read_text())["environment"]["threads"]
-    assert env["threads"] == 3 and env["applied"] and env["torch_threads"] == 3
+    assert env["threads"] == 1 and env["applied"] and env["torch_threads"] == 1
     assert env["source"].startswith("ini option dnnsafety_threads")
     # the first gate imported a module that sleeps 0.6 s on import: startup, not the gate's time
     gates = {g["nodeid"].split("::")[1]: g
@@ -219,11 +219,11 @@ def test_header_shows_the_threads_an_ini_setting_wins_and_imports_are_startup(ga
 @pytest.mark.slow
 def test_omp_num_threads_is_respected_and_the_cli_wins_over_it(gate_project: GateProject) -> None:
     log = _probe_project(gate_project)
-    out, seen = _run(gate_project, log, env={"OMP_NUM_THREADS": "3"})
-    assert re.search(r"^dnnsafety: .*threads=3 \(from OMP_NUM_THREADS\)$", out, re.M), out
-    assert {s["torch_threads"] for s in seen} == {3}  # as given: torch alone would cap it at the cores
+    out, seen = _run(gate_project, log, env={"OMP_NUM_THREADS": str(CORES)})
+    assert re.search(rf"^dnnsafety: .*threads={CORES} \(from OMP_NUM_THREADS\)$", out, re.M), out
+    assert {s["torch_threads"] for s in seen} == {CORES}
     log.unlink()
-    out, seen = _run(gate_project, log, "--dnnsafety-threads=1", env={"OMP_NUM_THREADS": "3",
+    out, seen = _run(gate_project, log, "--dnnsafety-threads=1", env={"OMP_NUM_THREADS": str(CORES),
                                                                       "DNNSAFETY_THREADS": "2"})
     assert re.search(r"^dnnsafety: .*threads=1 \(from command-line option --dnnsafety-threads\)$", out, re.M), out
     assert {s["torch_threads"] for s in seen} == {1}

@@ -40,7 +40,6 @@ import csv
 import difflib
 import hashlib
 import math
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
 from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.parsing import loads_toml
 
 __all__ = ["SeverityMatrix", "WeightedConfusionEngine", "WeightedConfusionResult", "kl_upper",
            "severity_upper_bound", "BOUND_METHODS", "DEFAULT_WEIGHT"]
@@ -221,8 +221,8 @@ class SeverityMatrix:
         or a full ``matrix = [[...], ...]``. The file's ``default`` wins over the argument."""
         path = Path(path)
         try:
-            doc = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            doc = loads_toml(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: TOMLDecodeError, TooDeep
             raise ConfigError(f"severity file {path} cannot be read as TOML: {exc}. Fix: check the path "
                               "(relative paths start at the rootdir) and the syntax.") from None
         unknown = sorted(set(doc) - set(_TOML_KEYS))

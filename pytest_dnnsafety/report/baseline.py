@@ -125,8 +125,12 @@ class Baseline:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise _fail(path, f"cannot be read ({type(exc).__name__}: {exc})") from None
+        from ..parsing import TooDeep, loads_json
+
         try:
-            data = json.loads(text)
+            data = loads_json(text)
+        except TooDeep as exc:
+            raise _fail(path, f"is not an evidence file: {exc}") from None
         except json.JSONDecodeError as exc:
             raise _fail(path, f"is not valid JSON ({exc})") from None
         return cls.from_evidence(data, path)

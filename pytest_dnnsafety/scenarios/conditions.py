@@ -17,6 +17,7 @@ from torch import Tensor
 
 from pytest_dnnsafety.engines.scenario import ProjectionLayout
 from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.parsing import TooDeep, check_depth
 
 #: Largest number of joint assignments of one group of restricted conditions that is
 #: enumerated to decide cell feasibility exactly; larger groups fall back to a sufficient check.
@@ -176,12 +177,16 @@ class Conditions:
         tomllib = _toml_module()
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
+            check_depth(data)
         except FileNotFoundError:
             raise DataError(f"{where} does not exist; check the dnnsafety_conditions path") from None
         except UnicodeDecodeError as exc:
             raise DataError(f"{where} is not UTF-8 text ({exc}); save it as UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
             raise DataError(f"{where} is not valid TOML: {exc}; fix the syntax") from None
+        except (RecursionError, TooDeep):
+            raise DataError(f"{where} cannot be read: {TooDeep()}; declare each condition's domain as a flat "
+                            'list, e.g. [conditions] weather = ["sunny", "rainy"]') from None
         if "conditions" not in data:
             raise DataError(
                 f"{where} has no [conditions] table; declare each condition's domain, e.g. "

@@ -180,6 +180,7 @@ class ReliabilityResult:
         clipped bounding box). ``Σ op · lambda_hat`` over the rows, plus ``mass_rest`` when
         ``conservative_rest`` (counted with λ = 1), is the estimate ``E`` of the point-estimate
         methods. A ``.jsonl`` suffix writes JSON lines, anything else CSV; parent folders are made.
+        A symbolic link at ``path`` is not followed (OSError where the platform can tell).
 
         Raises:
             MetricError: the result holds no cell table (e.g. one rebuilt from a JSON report).
@@ -205,7 +206,10 @@ class ReliabilityResult:
             table.trials.tolist(), *table.lower.T.tolist(), *table.upper.T.tolist(),
         ]
         rows = zip(*columns)
-        with out.open("w", newline="", encoding="utf-8") as fh:
+        import os
+
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)  # never through a link
+        with open(os.open(out, flags, 0o666), "w", newline="", encoding="utf-8") as fh:
             if out.suffix == ".jsonl":
                 for row in rows:
                     fh.write(json.dumps(dict(zip(head, row))) + "\n")
