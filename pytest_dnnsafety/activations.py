@@ -195,7 +195,7 @@ def capture(
     output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
     finiteness of the outputs and of the captured values is checked once at the end.
     """
-    from .outputs import ForwardGuard, eval_mode
+    from .outputs import ForwardGuard, eval_mode, probing
 
     modules = _resolve_layers(model, layers)
     target = _model_device(model, torch.device(device))
@@ -211,6 +211,8 @@ def capture(
 
     def hook_for(layer: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if probing():  # the guard's determinism probe (two passes of a few inputs): not data
+                return
             out = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(out, Tensor) or out.ndim < 2:
                 raise MetricError(

@@ -127,6 +127,10 @@ _SETTING_LIST = [
             "use a non-negative integer below 2**63 such as 1234", minimum=0, maximum=MAX_SEED),
     Setting("batch_size", "int", 256, "batch size of forward passes and engine updates (int >= 1)",
             "use a positive integer such as 256", minimum=1),
+    Setting("max_queries", "int", 10**9,
+            "the most model queries a max_pmi_ub plan may take: a plan above it (e.g. a tiny target_width) is "
+            "refused before sampling, naming its cost (int >= 1; marker keyword max_queries)",
+            "use a positive integer such as 1000000000", minimum=1),
     Setting("threads", "threads", "auto",
             "torch intra-op CPU threads of each test process: auto (the usable cores shared by the xdist workers, "
             "less the cores other processes keep busy; OMP_NUM_THREADS/MKL_NUM_THREADS win when set) or an int >= 1",

@@ -6,6 +6,9 @@ Every gate that queries a model goes through :class:`ForwardGuard`. It
   naming the batch, the input's shape, dtype and device, the model's parameter dtype and device,
   and a fix (the common causes: a wrong input shape, float64 weights with float32 data, a model
   and data on different devices, a ``torch.export`` program exported with a fixed batch size);
+* checks, on its first batch, that the model is *deterministic* (:func:`check_deterministic`,
+  once per model and device): two passes of a few inputs must agree, or a model with dropout left
+  on at inference would give every gate a different number for the same seed;
 * checks the output's *shape* on the host (free: shapes are metadata): a tensor of shape
   ``(batch, classes)`` with the expected number of classes;
 * checks *finiteness* on the device without a host synchronisation per batch: it keeps one
@@ -19,6 +22,9 @@ Pure torch; no pytest import.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import math
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,7 +32,7 @@ from torch import Tensor
 
 from .errors import MetricError
 
-__all__ = ["ForwardGuard", "describe_model", "eval_mode", "model_dtype_device"]
+__all__ = ["ForwardGuard", "check_deterministic", "describe_model", "eval_mode", "model_dtype_device", "probing"]
 
 _NONE = torch.iinfo(torch.int64).max
 
@@ -111,6 +117,7 @@ class ForwardGuard:
         self._first_bad: Tensor | None = None
         self._bad_rows: Tensor | None = None
         self._rows = 0
+        self._deterministic = False  # checked on this guard's first batch (see check_deterministic)
 
     # -- the forward pass
 
@@ -118,6 +125,9 @@ class ForwardGuard:
         """``model(x)``, checked; returns the output tensor."""
         index = self.batches
         self.batches += 1
+        if not self._deterministic:
+            check_deterministic(model, x, self.what)
+            self._deterministic = True
         try:
             out = model(x)
         except MetricError:
@@ -202,3 +212,127 @@ class ForwardGuard:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+# -------------------------------------------------------------------------------- determinism
+
+#: Inputs of the probe batch: the first rows of the first batch a model is given.
+PROBE_ROWS = 8
+
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("dnnsafety_probing", default=False)
+_CHECKED: "weakref.WeakKeyDictionary[Any, dict[str, str | None]]" = weakref.WeakKeyDictionary()
+
+
+def probing() -> bool:
+    """True while :func:`check_deterministic` runs its probe passes: a forward hook that records should skip them."""
+    return _PROBING.get()
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative (and, times the output's scale, absolute) tolerance of the probe comparison for ``dtype``.
+
+    Outputs ``a``, ``b`` agree where ``|a − b| ≤ rtol·|b| + 0.1·rtol·max(1, max|b|)``.
+    Float32/64: ``rtol`` 1e-4 — GPU kernels that reduce with atomics (cuDNN, scatter/index adds, split-K
+    matmuls) give run-to-run differences of a few ulps (~1e-7 relative in float32), while a dropout
+    mask or a sampled layer moves outputs by whole units of the activations (≥ 1e-2 relative).
+    Half precision: 8 ulps of the format.
+    """
+    if dtype in (torch.float16, torch.bfloat16):
+        return 8.0 * torch.finfo(dtype).eps
+    return 1e-4
+
+
+def _first_tensor(out: Any) -> Tensor | None:
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        out = out[0]
+    return out if isinstance(out, Tensor) else None
+
+
+def _memo(model: Any) -> dict[str, str | None] | None:
+    """The model's probe results by device (``None``: deterministic), or ``None`` if it cannot be memoised."""
+    try:
+        return _CHECKED.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: checked once per guard only
+        return None
+
+
+def _differs(first: Tensor, second: Tensor) -> str | None:
+    """How two probe outputs differ beyond float nondeterminism (:func:`_tolerance`), or ``None``."""
+    if first.shape != second.shape:
+        return f"shapes {tuple(first.shape)} and {tuple(second.shape)}"
+    if not (first.is_floating_point() or first.is_complex()):
+        mismatch = first != second
+        return f"{int(mismatch.sum())} of {first.numel()} labels differ" if bool(mismatch.any()) else None
+    a, b = first.detach(), second.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    a, b = a.double(), b.double()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # equal infinities and NaN in both places agree
+    diff = torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=math.inf))
+    size = b.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    scale = float(size.max()) if size.numel() else 0.0
+    rtol = _tolerance(first.dtype)
+    atol = 0.1 * rtol * max(scale, 1.0)  # 1e-5 for outputs within ±1 (probabilities), scaled for logits
+    if not bool((diff > atol + rtol * size).any()):
+        return None
+    return f"a largest difference of {float(diff.max()):.3g}, outputs up to {scale:.3g}"
+
+
+def check_deterministic(model: Callable[[Tensor], Any], x: Tensor, what: str = "model") -> None:
+    """Raise a :class:`MetricError` if the model answers the same inputs differently twice.
+
+    A model with dropout (or any sampling) active at inference — ``F.dropout(x, p, training=True)``
+    in ``forward``, a module whose ``eval()`` leaves its dropout on, a sampling layer, a model
+    fixture left in train mode where the engine does not switch it — gives every gate a different
+    number for the same seed (a pass on one run, a fail on the next). Once per model and device
+    (memoised on the model object, the verdict too), two passes of the first :data:`PROBE_ROWS`
+    rows of ``x`` (all of ``x`` if the model refuses the smaller batch, e.g. a ``torch.export``
+    program with a fixed batch size) run under ``no_grad`` with torch's RNG state saved and *not*
+    reset between them, so a random layer draws afresh; the outputs must agree within
+    :func:`_tolerance` (exactly, for integer labels). The RNG state is restored afterwards, so
+    seeded results are unchanged. A model that raises on the probe is left to the guarded pass,
+    which names the error. Forward hooks that record activations skip the probe passes
+    (:func:`probing`).
+    """
+    memo = _memo(model)
+    device = str(x.device)
+    if memo is not None and device in memo:
+        problem = memo[device]
+    else:
+        problem = _probe(model, x)
+        if memo is not None:
+            memo[device] = problem
+    if problem is not None:
+        raise MetricError(
+            f"{what}: the model is not deterministic: two forward passes of the same inputs gave different outputs "
+            f"({problem}; model: {describe_model(model)}). Every metric would change from run to run with the same "
+            f"seed. Fix: call model.eval() and keep dropout and any sampling off at inference (no "
+            f"F.dropout(..., training=True) or torch.rand/bernoulli in forward); switch the model's stochastic "
+            f"layers off, or give the gate a deterministic wrapper of the model."
+        )
+
+
+def _probe(model: Callable[[Tensor], Any], x: Tensor) -> str | None:
+    """Two passes of the probe rows, RNG state saved before and restored after (see :func:`check_deterministic`)."""
+    n = int(x.shape[0]) if x.ndim else 0
+    if n == 0:
+        return None
+    probes = [x[:PROBE_ROWS], x] if n > PROBE_ROWS else [x]
+    cuda = [x.device.index if x.device.index is not None else torch.cuda.current_device()] \
+        if x.device.type == "cuda" else []
+    token = _PROBING.set(True)
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            for probe in probes:
+                probe = probe.detach()
+                try:
+                    first, second = _first_tensor(model(probe)), _first_tensor(model(probe))
+                except Exception:  # the guarded pass reports it (with the batch, shapes and a fix)
+                    continue
+                if first is None or second is None:
+                    return None
+                problem = _differs(first, second)
+                return None if problem is None else f"{probe.shape[0]} input(s): {problem}"
+    finally:
+        _PROBING.reset(token)
+    return None

@@ -90,13 +90,15 @@ def gates_of(project: GateProject) -> dict[str, dict]:
 COUNTING_CONFTEST = """
 import pytest
 import netdef
+from pytest_dnnsafety.outputs import probing
 
 CALLS = []
 
 
 class Counting(netdef.DigitsCNN):
     def forward(self, x):
-        CALLS.append(x.shape[0])
+        if not probing():  # the guard's determinism probe (a few rows, once per model) is not counted
+            CALLS.append(x.shape[0])
         return super().forward(x)
 
 

@@ -258,7 +258,10 @@ CASES = [
                  batches = 0
 
                  def forward(self, x):
+                     from pytest_dnnsafety.outputs import probing
                      out = super().forward(x)
+                     if probing():  # the determinism probe: the same answer for the same input
+                         return out
                      type(self).batches += 1
                      if type(self).batches == 2:  # one row of the second batch goes bad
                          out = out.clone()
@@ -306,7 +309,10 @@ CASES = [
                  calls = 0
 
                  def forward(self, x):
+                     from pytest_dnnsafety.outputs import probing
                      out = super().forward(x)
+                     if probing():  # the determinism probe: the same answer for the same input
+                         return out
                      type(self).calls += 1
                      return out if type(self).calls == 1 else torch.cat([out, out[:, :1]], dim=1)
              grown = Growing()

@@ -23,6 +23,7 @@ from pytest_dnnsafety.engines.reliability import (
     r_separation,
 )
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.outputs import probing
 from pytest_dnnsafety.profile import PCA, OperationalProfile
 from _reliability import _quiet, _truth
 
@@ -228,7 +229,8 @@ def test_a_label_out_of_range_in_a_later_batch_is_rejected_after_the_loop() -> N
     calls = []
 
     def late_bad(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
+        if not probing():  # the guard's determinism probe gets the same answers twice
+            calls.append(x.shape[0])
         labels = torch.zeros(x.shape[0], dtype=torch.int64)
         if len(calls) > 1:  # the probe passes; a sampling batch predicts class 7
             labels[-1] = 7
@@ -559,7 +561,8 @@ def test_non_finite_logits_are_an_error_naming_the_first_bad_batch(poison: str) 
     calls = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
+        if not probing():  # the guard's determinism probe gets the same answers twice
+            calls.append(x.shape[0])
         out = torch.stack([0.5 - x[:, 0], x[:, 0] - 0.5], 1)
         if poison == "nan":
             out = torch.full_like(out, float("nan"))
@@ -587,9 +590,10 @@ def test_a_model_whose_class_count_changes_after_the_labelled_points_is_an_error
     calls = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
+        if not probing():  # the guard's determinism probe gets the same answers twice
+            calls.append(x.shape[0])
         out = torch.stack([0.5 - x[:, 0], x[:, 0] - 0.5], 1)
-        return out if len(calls) == 1 else torch.cat([out, out[:, :1]], 1)
+        return out if len(calls) <= 1 else torch.cat([out, out[:, :1]], 1)
 
     x_lab = _uniform(37, 9)
     with pytest.raises(MetricError, match="returned 3 class scores, expected 2"):

@@ -27,6 +27,7 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
 
     from .. import ranks
     from ..engines.reliability import ReliabilityAssessor
+    from ..engines.reliability.allocation import QueryCapError
     from ..loading import as_tensors
 
     opts = dict(spec.options)
@@ -46,12 +47,18 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
     given.pop("compare_methods", None)
     cells_file = given.pop("cells_file", None)
+    given.pop("max_queries", None)  # the marker keyword overrides the setting dnnsafety_max_queries
+    cap = (ctx.settings.get("max_queries", opts["max_queries"], marker=spec.marker)
+           if opts.get("max_queries") is not None else ctx.settings.get("max_queries"))
     started = time.perf_counter()
-    assessor = ReliabilityAssessor(fx["profile"], labelled, compare_methods=compare, seed=ctx.seed,
-                                   device=ctx.device, **given)
     world = ranks.world_size()
-    engine = ranks.together(lambda: assessor.sample(fx["model"], rank=ranks.rank(), world_size=world),
-                            sharded=world > 1)
+    try:  # a plan above the cap is refused before it is sampled
+        assessor = ReliabilityAssessor(fx["profile"], labelled, compare_methods=compare, seed=ctx.seed,
+                                       device=ctx.device, max_queries=cap.value, **given)
+        engine = ranks.together(lambda: assessor.sample(fx["model"], rank=ranks.rank(), world_size=world),
+                                sharded=world > 1)
+    except QueryCapError as exc:
+        raise exc.with_source(cap.source) from None
     queries = assessor.queries
     if world > 1:
         engine.sync()  # per-cell class tallies: sum
@@ -171,6 +178,9 @@ MAX_PMI_UB = GateDef(
               "samples_per_cell x cells"),
         Param("target_width", (int, float, type(None)), None, _none_or_open_unit,
               "the bound width Ub - E allocation='adaptive' plans for, a number in (0, 1), e.g. 0.001"),
+        Param("max_queries", (int, type(None)), None, _none_or_positive,
+              "the most Monte Carlo queries a plan may take (a plan above it is refused before sampling); "
+              "None: the setting dnnsafety_max_queries (default 1_000_000_000)"),
         Param("pilot_samples", (int, type(None)), None, _none_or_positive,
               "pilot samples per cell of allocation='adaptive' (None: pilot_fraction of the budget)"),
         Param("pilot_fraction", (int, float), 0.05, in_range(1e-9, 1 - 1e-9),

@@ -51,6 +51,12 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   bootstrap entries the replicate masses are streamed over cells (recomputed chunk by chunk from
   the KDE tables where the bound needs them) instead of held as a ``(B, C)`` matrix; a grid whose
   estimated memory exceeds 2 GiB (or 10⁹ queries) warns before planning with both figures.
+* **A query cap** — a plan of more than ``max_queries`` Monte Carlo queries (default
+  :data:`~pytest_dnnsafety.engines.reliability.allocation.DEFAULT_MAX_QUERIES`, 10⁹) is refused
+  before it is sampled (:class:`~pytest_dnnsafety.engines.reliability.allocation.QueryCapError`,
+  naming the planned queries and the time they would take): a uniform/proportional plan and an
+  adaptive ``query_budget`` or pilot at planning, before any model query; an adaptive plan for
+  ``target_width`` after the (cheap) pilot, at the rate the pilot measured.
 * **Many cells** — cells are taken by descending OP mass up to ``mass_target`` and/or a budget
   of ``max_cells``; the unevaluated mass counts with ``λ = 1`` (``conservative_rest=True``) or,
   when the user asks otherwise, with the evaluated cells' average pmi (the paper's "empirical /
@@ -98,6 +104,7 @@ from __future__ import annotations
 
 # The submodules hold one concept each; this package re-exports every name of the former single
 # module ``engines/reliability.py``, private helpers included (tests and callers import some).
+from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES, QueryCapError
 from pytest_dnnsafety.engines.reliability.api import assess_reliability
 from pytest_dnnsafety.engines.reliability.assessment import (
     EMPTY_CELL_LABELS,
@@ -146,6 +153,7 @@ from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 __all__ = [
     "BLOCK",
     "CELL_TYPES",
+    "DEFAULT_MAX_QUERIES",
     "EMPTY",
     "EMPTY_CELL_LABELS",
     "CROSS",
@@ -158,6 +166,7 @@ __all__ = [
     "CellTallyEngine",
     "CellTable",
     "MethodBound",
+    "QueryCapError",
     "ReliabilityAssessor",
     "ReliabilityResult",
     "ReliabilityWarning",

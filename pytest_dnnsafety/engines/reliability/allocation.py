@@ -60,9 +60,18 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety import stats
+from pytest_dnnsafety.errors import ConfigError
 
 #: Candidate weights per stratum in the search of :func:`plan_adaptive`.
 CANDIDATES = 160
+
+#: The default cap on one assessment's Monte Carlo queries (``max_queries``; the pytest setting
+#: ``dnnsafety_max_queries``). 10⁹ is where the cost warning already starts: minutes for a small
+#: model on a GPU, hours on a CPU. A plan above it is refused before it is sampled.
+DEFAULT_MAX_QUERIES = 10**9
+
+#: The model's query rate assumed for a refused plan's time estimate when none was measured.
+ASSUMED_QUERY_RATE = 5e6
 
 #: Stratum ids.
 CLEAN, FAILING = 0, 1
@@ -84,6 +93,45 @@ class AdaptivePlan:
     @property
     def queries(self) -> int:
         return int(self.trials.sum())
+
+
+class QueryCapError(ConfigError):
+    """A plan asks for more Monte Carlo queries than ``max_queries``: refused before it is sampled."""
+
+    def __init__(self, head: str, tail: str, fix: str, source: str | None = None) -> None:
+        where = f" (from {source})" if source else ""
+        super().__init__(f"{head}{where}{tail}. Fix: {fix}.")
+        self.head, self.tail, self.fix = head, tail, fix
+
+    def with_source(self, source: str) -> "QueryCapError":
+        """The same error, naming where the cap was set (e.g. ``"default"``, ``"ini option ..."``)."""
+        return QueryCapError(self.head, self.tail, self.fix, source)
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def check_query_cap(planned: int, cap: int | None, what: str, fix: str, *, rate: float | None = None) -> None:
+    """Raise a :class:`QueryCapError` when ``planned`` queries exceed ``cap`` (``None``: no cap).
+
+    ``what`` names the plan, ``fix`` its own remedy (raising the cap is always added); ``rate``
+    (queries per second, e.g. measured on the pilot) gives the time estimate, else
+    :data:`ASSUMED_QUERY_RATE`.
+    """
+    if cap is None or planned <= cap:
+        return
+    measured = rate is not None and math.isfinite(rate) and rate > 0
+    qps = float(rate) if measured else ASSUMED_QUERY_RATE  # type: ignore[arg-type]
+    raise QueryCapError(
+        f"{what} plans {planned:,} model queries ({planned:.2g}), more than max_queries={cap:,}",
+        f": at {qps:.3g} queries/s ({'measured on the pilot' if measured else 'assumed'}) that is about "
+        f"{_duration(planned / qps)}. Refused before sampling them",
+        f"{fix}; or raise the cap (max_queries=..., in pytest the marker keyword max_queries or the setting "
+        f"dnnsafety_max_queries / --dnnsafety-max-queries / DNNSAFETY_MAX_QUERIES)")
 
 
 def _queries(a: Tensor, w: Tensor) -> Tensor:

@@ -66,6 +66,11 @@ def assess_reliability(
             ``Ub − E`` is at most this (within ``query_budget`` when given). The plan is chosen once
             from the pilot; nothing is re-tested sequentially. ``allocation_plan["target_reached"]``
             says whether the prediction reached it; the summary says whether the result did.
+        max_queries: the most Monte Carlo queries a plan may take (default 10⁹; ``None``: no
+            cap). A plan above it — ``samples_per_cell`` × cells, an adaptive ``query_budget`` or
+            pilot, or the plan a tiny ``target_width`` asks for (checked after the pilot) — is
+            refused before it is sampled with a ``QueryCapError`` (a ``ConfigError``) naming the
+            planned queries, the time they would take and the fix.
         pilot_samples: ``allocation="adaptive"``: pilot samples per cell (default
             ``pilot_fraction`` of ``query_budget`` spread over the cells, or of
             ``samples_per_cell`` when only ``target_width`` is given; at least 1).

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from pytest_dnnsafety import stats
 from pytest_dnnsafety.engines.reliability.aggregation import BoundAggregator
+from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES
 from pytest_dnnsafety.engines.reliability.cells import (
     CROSS,
     EMPTY,
@@ -79,6 +80,7 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
         allocation: str = "uniform",
         query_budget: int | None = None,
         target_width: float | None = None,
+        max_queries: int | None = DEFAULT_MAX_QUERIES,
         pilot_samples: int | None = None,
         pilot_fraction: float = 0.05,
         bootstrap: int = 100,
@@ -130,6 +132,7 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
                                                    if m != self.method))
         self.samples_per_cell = _check_int(samples_per_cell, "samples_per_cell", 1)
         self._check_allocation(allocation, query_budget, target_width, pilot_samples, pilot_fraction)
+        self.max_queries = None if max_queries is None else _check_int(max_queries, "max_queries", 1)
         self.bootstrap = _check_int(bootstrap, "bootstrap", 0)
         if self.bootstrap == 1:
             raise ConfigError("bootstrap must be 0 (OP masses taken as known) or at least 2 refits, got 1")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pytest_dnnsafety.engines.reliability.allocation import check_query_cap
 from pytest_dnnsafety.engines.reliability.cells import (
     _CHUNK_ELEMS,
     CROSS,
@@ -257,6 +258,8 @@ class CellPlanner:
             trials = torch.full((n_s,), self.samples_per_cell, dtype=torch.int64)
             self._per_cell = self.samples_per_cell
         elif self.allocation == "adaptive":
+            if self.query_budget is None and self.target_width is None:  # the documented default: the uniform budget
+                self.query_budget = max(2, self.samples_per_cell) * n_s
             budget = self.query_budget
             if self.pilot_samples is not None:
                 n0 = self.pilot_samples
@@ -270,6 +273,12 @@ class CellPlanner:
                     f"each of the {n_s:,} sampled cells ({(n0 + 1) * n_s:,} queries). Fix: query_budget ≥ "
                     f"{(n0 + 1) * n_s:,}, fewer pilot_samples, or fewer cells (mass_target/max_cells, a larger eps)"
                 )
+            if budget is not None:
+                check_query_cap(budget, self.max_queries, f"query_budget={budget:,}",
+                                f"a query_budget of at most {self.max_queries:,}")
+            check_query_cap(n0 * n_s, self.max_queries, f"the adaptive pilot ({n0:,} samples in each of {n_s:,} "
+                            f"cells)", "fewer pilot_samples (or a smaller pilot_fraction), or fewer cells "
+                            "(mass_target, max_cells, a larger eps)")
             self._pilot_n = n0
             trials = torch.full((n_s,), n0, dtype=torch.int64)
             self._per_cell = n0
@@ -280,6 +289,11 @@ class CellPlanner:
             total = float(op_s.sum())
             share_s = op_s / total if total > 0 else torch.full_like(op_s, 1.0 / n_s)
             trials = torch.round(share_s * budget).to(torch.int64).clamp_min(1)
+        if self.allocation != "adaptive":
+            check_query_cap(int(trials.sum()), self.max_queries,
+                            f"allocation={self.allocation!r} ({self.samples_per_cell:,} samples per cell × {n_s:,} "
+                            f"cells)", "fewer samples_per_cell, fewer cells (mass_target, max_cells, a larger eps), "
+                            "or allocation='adaptive' with a query_budget")
         self._trials = trials
         self._ends = torch.cumsum(trials, 0)
 

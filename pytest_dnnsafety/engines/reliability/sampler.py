@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety import progress
-from pytest_dnnsafety.engines.reliability.allocation import plan_adaptive
+from pytest_dnnsafety.engines.reliability.allocation import check_query_cap, plan_adaptive
 from pytest_dnnsafety.engines.reliability.cells import CROSS, _check_int
 from pytest_dnnsafety.engines.reliability.model import _check_label_bounds, _check_label_range, _ModelAdapter
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
@@ -239,6 +239,7 @@ class MonteCarloSampler:
         self._stream_seed = _mix(self.seed, -3)
         self._labels = self._labels_planned.clone()
         pilot = self.new_engine(k).to(self.device)
+        started = time.perf_counter()
         self._run_stream(adapter, pilot, 0, 1)
         counts = pilot.compute().cpu()
         # label round: empty cells whose pilot samples disagree get max(32, 16·n₀) more samples, so their
@@ -248,6 +249,11 @@ class MonteCarloSampler:
         if self.query_budget is not None:  # never at the cost of the final stage's one sample per cell
             extra_n = min(extra_n, (self.query_budget - (n0 + 1) * n_s) // max(1, int(contested.sum())))
         if bool(contested.any()) and extra_n > 0:
+            check_query_cap(self.queries + extra_n * int(contested.sum()), self.max_queries,
+                            f"the adaptive pilot with its label round ({extra_n:,} more samples in each of "
+                            f"{int(contested.sum()):,} contested empty cells)",
+                            "fewer pilot_samples, a query_budget, or empty_cell_label='nearest'",
+                            rate=self.queries / max(time.perf_counter() - started, 1e-9))
             self._per_cell = None
             self._trials = torch.where(contested, extra_n, 0).to(torch.int64)
             self._ends = torch.cumsum(self._trials, 0)
@@ -256,6 +262,7 @@ class MonteCarloSampler:
             self._run_stream(adapter, extra, 0, 1)
             counts = counts + extra.compute().cpu()
         self.queries_pilot = self.queries
+        self._pilot_rate = self.queries / max(time.perf_counter() - started, 1e-9)
         self._plan_final(counts)
         self._stream_seed = _mix(self.seed, -4)
 
@@ -291,6 +298,15 @@ class MonteCarloSampler:
                               f"query_budget ≥ {self.queries_pilot + n_s:,} or fewer pilot_samples")
         plan = plan_adaptive(alloc, op, fails, pilot_counts.sum(1), budget=budget, target_width=self.target_width,
                              confidence=conf_lam)
+        if budget is None:  # a query_budget (checked against max_queries before the pilot) bounds the plan
+            goal = f"target_width={self.target_width:g}"
+            check_query_cap(self.queries_pilot + plan.queries, self.max_queries,
+                            f"the adaptive plan for {goal} (pilot "
+                            f"{self.queries_pilot:,} + final stage {plan.queries:,}; predicted width "
+                            f"{plan.predicted_ub - plan.predicted_e:.3g}"
+                            f"{'' if plan.target_reached else ', the target not reached even by the finest plan'})",
+                            "a looser target_width, or a query_budget (the tightest bound within it)",
+                            rate=getattr(self, "_pilot_rate", None))
         self._strata = plan.strata
         self._trials = plan.trials
         self._ends = torch.cumsum(plan.trials, 0)
