@@ -307,6 +307,7 @@ def test_cov(scenario_table):
 """
 
 
+@pytest.mark.slow  # a fresh process each (its own torch): about 5 s
 @pytest.mark.parametrize("how", ["cli", "env"])
 def test_a_huge_thread_count_runs_without_crashing(gate_project: GateProject, monkeypatch: pytest.MonkeyPatch,
                                                    how: str) -> None:
