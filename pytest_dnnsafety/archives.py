@@ -3,11 +3,10 @@
 * :func:`check_torch_file` walks every pickle of a ``torch.save`` file opcode by opcode
   (:func:`pickletools.genops`; nothing is executed) and refuses any global outside the tensor
   allow-list of torch's ``weights_only`` loader (:class:`Refused`).
-* :func:`check_export_archive` does the same for every pickle in a ``torch.export`` program
-  (``.pt2``), nested ``torch.save`` archives included, and refuses members torch would load with no
-  restriction at all (AOTInductor native code, custom/opaque object constants).
+* :mod:`.export_archive` builds the ``.pt2`` check on these pieces.
 * :func:`weights_only_forced` makes every ``torch.load`` inside it use the weights-only unpickler,
-  also where torch itself passes ``weights_only=False`` (``torch.export.load``'s fallback).
+  also where torch itself passes ``weights_only=False`` (``torch.export.load``'s fallback), and
+  turns off the plain ``pickle.loads`` of torch's ``.pt2`` reader (opaque object constants).
 * :func:`verify_crcs` checks every zip member (torch's zip reader does not), and
   :func:`describe_file` says what a file that is not of the expected kind actually is
   (:class:`NotValid`), so a damaged file is never reported as "holds pickled objects".
@@ -19,8 +18,8 @@ from __future__ import annotations
 
 import _compat_pickle
 import io
-import json
 import os
+import pickle
 import pickletools
 import re
 import threading
@@ -35,7 +34,7 @@ from typing import IO, Any
 import torch
 
 __all__ = [
-    "NotValid", "Refused", "check_torch_file", "check_export_archive", "weights_only_forced", "verify_crcs",
+    "NotValid", "Refused", "check_torch_file", "weights_only_forced", "verify_crcs",
     "describe_bytes", "describe_file", "open_zip", "read_member", "zip_kind", "first_line", "listing",
 ]
 
@@ -146,8 +145,8 @@ def _scan_pickle(stream: IO[bytes]) -> tuple[list[str], bool]:
                 refused.append("a STACK_GLOBAL whose module and name are not plain strings")
         elif name in ("EXT1", "EXT2", "EXT4"):
             refused.append(f"copyreg extension code {arg}")
-        elif name == "LONG1" and arg == _TORCH_MAGIC:
-            magic = True
+        elif name in ("INT", "LONG", "LONG1", "LONG4") and arg == _TORCH_MAGIC:
+            magic = True  # however it is spelled: the unpickler compares the value
         if ref is not None and not _is_safe_global(ref) and ref not in refused:
             refused.append(ref)
         top.clear()
@@ -281,7 +280,7 @@ def _scan_torch_save_zip(archive: zipfile.ZipFile, label: str) -> list[str]:
     """Refused globals in every ``.pkl`` member of a torch.save zip archive."""
     refused: list[str] = []
     for info in archive.infolist():  # duplicates included: each copy is scanned
-        if info.filename.endswith(".pkl"):
+        if info.filename.lower().endswith(".pkl"):  # torch's lookup of data.pkl ignores case
             for ref in _scan_pickles(read_member(archive, info), f"{label}{info.filename}"):
                 if ref not in refused:
                     refused.append(f"{ref} (in {label}{info.filename})" if label else ref)
@@ -318,75 +317,26 @@ def check_torch_file(path: Path, scan: bool) -> list[str]:
     raise NotValid(describe_bytes(head, size))
 
 
-def _raw_payloads(archive: zipfile.ZipFile) -> set[str]:
-    """Members of a torch.export archive that its configs declare raw tensor bytes (not pickles)."""
-    raw: set[str] = set()
-    for info in archive.infolist():
-        prefix, _, relative = info.filename.rpartition("/data/")
-        folder, _, config = relative.partition("/")
-        if folder not in ("weights", "constants") or not config.endswith("_config.json") or "/" in config:
-            continue
-        try:
-            entries = json.loads(read_member(archive, info)).get("config", {})
-        except (ValueError, AttributeError):
-            continue  # torch will fail on it; without a config every member is scanned
-        base = f"{prefix}/data/{folder}/" if prefix else f"data/{folder}/"
-        for entry in entries.values() if isinstance(entries, dict) else ():
-            name = entry.get("path_name") if isinstance(entry, dict) else None
-            if isinstance(name, str) and entry.get("use_pickle") is False:
-                raw.add(base + name)  # compared verbatim: "../x" never matches a real member
-    return raw
-
-
-def check_export_archive(path: Path) -> None:
-    """Refuse a ``.pt2`` archive unless loading it can unpickle only tensors.
-
-    Raises :class:`NotValid` for a file that is not a torch.export archive and :class:`Refused`
-    for one holding AOTInductor code, custom/opaque object constants (which torch unpickles with
-    plain :func:`pickle.loads`) or a pickle referencing globals outside the allow-list.
-    """
-    with open_zip(path) as archive:
-        names = archive.namelist()
-        if zip_kind(names) != "export":
-            raise NotValid(describe_file(path))
-        relative = {name: name.split("/", 1)[1] if "/" in name else name for name in names}
-        native = [name for name in names if relative[name].startswith("data/aotinductor/")]
-        if native:
-            raise Refused(native[0], native, f"AOTInductor compiled code ({native[0]}), which torch.export.load "
-                                              "would load and run as native code", verb="load")
-        objects = [name for name in names if relative[name].startswith("data/constants/")
-                   and name.rsplit("/", 1)[-1].startswith(("custom_obj_", "opaque_obj_"))]
-        if objects:
-            raise Refused(objects[0], objects, f"a custom/opaque object constant ({objects[0]}), which torch "
-                                                "unpickles without any restriction")
-        raw = _raw_payloads(archive)
-        for info in archive.infolist():
-            if info.filename in raw or info.is_dir():
-                continue
-            data = read_member(archive, info)
-            if data.startswith(b"PK\x03\x04"):  # a nested torch.save archive (sample inputs, pickled weights)
-                try:
-                    nested = zipfile.ZipFile(io.BytesIO(data))
-                except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError) as exc:
-                    raise NotValid(f"a torch.export archive whose member {info.filename!r} is a damaged "
-                                    f"zip archive ({exc})") from None
-                with nested:
-                    refused = _scan_torch_save_zip(nested, f"{info.filename}:")
-            elif data[:1] == b"\x80":
-                refused = _scan_pickles(data, info.filename)
-            elif len(data) > 262 and data[257:262] == b"ustar":  # torch.load would read a legacy tar file
-                raise Refused(info.filename, [info.filename], f"a legacy tar-format torch file ({info.filename})")
-            else:
-                continue  # JSON, text, raw bytes: nothing that torch unpickles
-            if refused:  # a nested archive's references already name their member
-                nested_refs = data.startswith(b"PK\x03\x04")
-                raise Refused(info.filename, refused,
-                               f"a pickle referencing {listing(refused)}" if nested_refs else "")
-
-
 _FORCE_SAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _FORCE_UNSAFE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 _ENV_LOCK = threading.Lock()
+
+
+class _NoPlainUnpickling:
+    """Stands in for :mod:`pickle` inside torch's ``.pt2`` reader: its ``loads`` refuses.
+
+    ``torch/export/pt2_archive/_package.py`` reads opaque object constants with a bare
+    ``pickle.loads``, which no environment variable restricts. :mod:`.export_archive` refuses such
+    archives before loading; this is the second lock on the same door.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+    @staticmethod
+    def loads(*args: Any, **kwargs: Any) -> Any:
+        raise pickle.UnpicklingError("pickle.loads of an opaque object constant is refused (the file would run "
+                                     "code while loading)")
 
 
 @contextmanager
@@ -396,16 +346,26 @@ def weights_only_forced() -> Iterator[None]:
     torch reads ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` on every call (``torch/serialization.py``) and
     then sets ``weights_only=True`` even where the caller passed ``weights_only=False`` — as
     ``torch.export.load``'s fallbacks do. ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is removed for the
-    block (both set is an error in torch). The environment is restored afterwards; a lock keeps
-    two threads from interleaving their save and restore.
+    block (both set is an error in torch), and the ``.pt2`` reader's plain ``pickle.loads`` refuses
+    (:class:`_NoPlainUnpickling`). Everything is restored afterwards; a lock keeps two threads
+    from interleaving their save and restore.
     """
+    try:
+        from torch.export.pt2_archive import _package as package
+    except ImportError:  # pragma: no cover - a torch without the .pt2 reader
+        package = None
     with _ENV_LOCK:
         saved = {name: os.environ.get(name) for name in (_FORCE_SAFE, _FORCE_UNSAFE)}
+        module = getattr(package, "pickle", None)
         os.environ[_FORCE_SAFE] = "1"
         os.environ.pop(_FORCE_UNSAFE, None)
+        if module is not None:
+            package.pickle = _NoPlainUnpickling()
         try:
             yield
         finally:
+            if module is not None:
+                package.pickle = module
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)

@@ -44,7 +44,6 @@ import torch
 from .archives import (
     NotValid,
     Refused,
-    check_export_archive,
     check_torch_file,
     describe_bytes,
     describe_file,
@@ -57,6 +56,8 @@ from .archives import (
     zip_kind,
 )
 from .config import Resolved, Settings
+from .export_archive import check_export_archive
+from .export_program import example_inputs_problem
 from .data import as_tensors, iter_batches, known_length  # re-exported: users import them from here
 from .errors import ConfigError, DataError, DnnSafetyError, ModelLoadError
 
@@ -304,7 +305,13 @@ def _load_export(path: Path, where: str, allow_pickle: bool) -> Any:
     guard = nullcontext() if allow_pickle else weights_only_forced()
     try:
         with guard:
-            return torch.export.load(str(path)).module()
+            program = torch.export.load(str(path))
+            problem = None if allow_pickle else example_inputs_problem(program.example_inputs)
+            if problem:  # .module() would paste these keys into the code of its input guards
+                raise Refused(path.name, [path.name], problem, verb="load")
+            return program.module()
+    except Refused:
+        raise
     except pickle.UnpicklingError as exc:
         raise ModelLoadError(
             f"{where}: refused to unpickle a pickle inside {path.name}: torch's weights-only loader "

@@ -41,7 +41,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from pytest_dnnsafety.config import SETTINGS, Settings
+from _hostile import WithConstant, WritesMarker, make_settings, rewrite_zip, save_export, torch_save_bytes
+from pytest_dnnsafety.config import Settings
 from pytest_dnnsafety.errors import ConfigError, DataError, ModelLoadError
 from pytest_dnnsafety.archives import weights_only_forced as _weights_only_forced
 from pytest_dnnsafety.loading import (
@@ -88,58 +89,10 @@ def exploding_table():
 # ------------------------------------------------------------------------------------------ helpers
 
 
-class WritesMarker:
-    """Unpickling this runs code: ``exec`` writes ``marker``. The stand-in for a malicious payload."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return exec, (f"open({self.marker!r}, 'w').write('pwned')",)
-
-
-def make_settings(root: Path, **ini: Any) -> Settings:
-    """Settings with ini options (short names) from ``root/pyproject.toml``, invoked from ``root``."""
-    values = {SETTINGS[name].ini: value for name, value in ini.items()}
-    return Settings(cli={}, ini=values.get, env={}, ini_file=root / "pyproject.toml", invocation_dir=root)
-
-
 def tiny_model() -> nn.Module:
     """The architecture of ``hostile_mod:build``, with fixed weights."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
-
-
-class WithConstant(nn.Module):
-    """A model with a parameter, a buffer and a tensor constant: every payload kind of a .pt2."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-        self.register_buffer("shift", torch.ones(3))
-        self.scale = torch.tensor([1.0, 2.0, 3.0])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.flatten(1)) * self.scale + self.shift
-
-
-def torch_save_bytes(obj: Any, legacy: bool = False) -> bytes:
-    """``torch.save(obj)`` as bytes (the zip format, or the legacy pickle-stream format)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
-    return buffer.getvalue()
-
-
-def rewrite_zip(src: Path, dst: Path, replace: Callable[[str, bytes], bytes] | None = None,
-                add: dict[str, bytes] | None = None) -> None:
-    """Copy zip ``src`` to ``dst``, passing each member through ``replace`` and adding ``add``."""
-    with zipfile.ZipFile(src) as source, zipfile.ZipFile(dst, "w") as target:
-        root = source.namelist()[0].split("/", 1)[0]
-        for info in source.infolist():
-            data = source.read(info.filename)
-            target.writestr(info, replace(info.filename, data) if replace else data)
-        for name, data in (add or {}).items():
-            target.writestr(f"{root}/{name}", data)
 
 
 def member_data_offset(path: Path, suffix: str) -> tuple[int, int]:
@@ -163,11 +116,6 @@ def flip_byte_in_member(path: Path, suffix: str) -> None:
 
 def random_bytes(count: int = 2048) -> bytes:
     return np.random.default_rng(0).integers(0, 256, count, dtype=np.uint8).tobytes()
-
-
-def save_export(path: Path, module: nn.Module | None = None) -> None:
-    module = (module or WithConstant()).eval()
-    torch.export.save(torch.export.export(module, (torch.zeros(2, 2, 2),)), str(path))
 
 
 def save_torchscript(path: Path) -> None:
