@@ -56,7 +56,6 @@ from .archives import (
     zip_kind,
 )
 from .config import Resolved, Settings
-from .export_archive import check_export_archive
 from .export_program import example_inputs_problem
 from .data import as_tensors, iter_batches, known_length  # re-exported: users import them from here
 from .errors import ConfigError, DataError, DnnSafetyError, ModelLoadError
@@ -301,6 +300,9 @@ def _torch_load(
 def _load_export(path: Path, where: str, allow_pickle: bool) -> Any:
     """A torch.export program's module; without ``allow_pickle`` only after :func:`check_export_archive`."""
     if not allow_pickle:
+        # imported here: torch.export.pt2_archive pulls in ~800 torch modules, only a .pt2 needs them
+        from .export_archive import check_export_archive
+
         check_export_archive(path)
     guard = nullcontext() if allow_pickle else weights_only_forced()
     try:
