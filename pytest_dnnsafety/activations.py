@@ -87,6 +87,34 @@ class ModelOutputs:
     def n_inputs(self) -> int:
         return int(self.predictions.shape[0])
 
+    def check_labels(self, data: str, classes: Sequence[Any] | None = None, *, what: str = "") -> None:
+        """Raise :class:`DataError` unless every label is a class the model can output.
+
+        The classes are the output's columns, else (a label-returning model) the declared ``classes=``;
+        with neither the range cannot be checked. ``data`` names the data's fixture, ``what`` (optional)
+        what read the labels (a gate's verdict already names its marker). One host read (the labels'
+        min and max), after the pass, never inside it: every label-reading gate calls this where its
+        labels meet the model's outputs. Labels the model
+        cannot have make every decision wrong (accuracy 0 everywhere, so nothing "degrades", or an
+        error rate of 1 a monitor cannot lower): a gate would measure the data's mismatch, not the model.
+        """
+        if self.labels is None or self.labels.numel() == 0:
+            return
+        k = self.num_classes if self.num_classes is not None else (len(classes) if classes is not None else None)
+        if k is None:
+            return
+        low, high = (int(v) for v in torch.stack([self.labels.min(), self.labels.max()]).tolist())
+        if low >= 0 and high < k:
+            return
+        bad = int(((self.labels < 0) | (self.labels >= k)).sum())
+        source = "outputs" if self.num_classes is not None else "classes named by classes="
+        raise DataError(
+            f"{what + ': ' if what else ''}the labels of fixture {data!r} range over {low}..{high}, but the model "
+            f"has {k} classes ({source} 0..{k - 1}); {bad} of {self.n_inputs} labels are outside, so the model can never be right "
+            f"on them and the metric would measure the data's mismatch, not the model. Fix: give class indices "
+            f"0..{k - 1} in the model's output order (map the data's labels), or give data that belongs to this "
+            f"model.")
+
 
 def layer_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name]

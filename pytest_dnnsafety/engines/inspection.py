@@ -57,7 +57,11 @@ and unlabelled data can give different values). ``avg_bias(i, j) = Σ_k bias(i,j
 [0, ½). Vectorised over all triplets, in chunks of first classes ``i`` so that 1,000 classes fit
 in memory (chunks of ``i`` × all ``j`` × all ``k``). Biased pairs: ``avg_bias > mean + 1·std``
 (rule ``"std"``) or the ``⌈top_share·P⌉`` largest (rule ``"top"``). Needs ``K' ≥ 3``:
-:class:`InspectionError` otherwise (confusion works with two classes).
+:class:`InspectionError` otherwise (confusion works with two classes). *No signal:* when no ``D``
+entry lies below the cutoff (random activations; the authors' own CIFAR-10 model at activation
+thresholds 0.25 and 0.5) or no triplet passes the filters, every avg_bias is 0 for want of evidence
+and no pair is the worst: ``InspectionResult.bias_no_signal`` says why (the gate is inconclusive).
+The kernels live in :mod:`pytest_dnnsafety.engines.inspection_kernels` (re-exported here).
 
 **With labels** (§IV-B of the paper). Type-1 confusion ``c(a→b)`` = share of the true-``a``
 inputs predicted ``b`` (0 for a class without true inputs). Ground-truth confused pairs: pairs
@@ -101,7 +105,11 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
-from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.engines.inspection_kernels import (
+    _TRIPLET_CHUNK, DEFAULT_THRESHOLD, DISTANCE_FLOOR, InspectionError, _bias_no_signal, _pop_std, aucec,
+    check_threshold, class_bias, layer_activity, napvd_matrix, pack_active, scaled_activity, unpack_active,
+)
+from pytest_dnnsafety.errors import ConfigError, DataError
 
 __all__ = [
     "InspectionEngine", "InspectionResult", "InspectionError", "inspect_classes", "layer_activity",
@@ -111,198 +119,6 @@ __all__ = [
 
 #: Rules for flagging pairs: "std" (mean ∓ 1·std, the paper's default) and "top" (a share of the pairs).
 RULES = ("std", "top")
-#: The paper's activation threshold on the min–max scaled layer output.
-DEFAULT_THRESHOLD = 0.5
-#: Triplets need D_ik, D_jk above this (the authors' t2).
-DISTANCE_FLOOR = 1e-5
-#: Elements of one chunk of the triplet computation (selected (i, k) entries × K').
-_TRIPLET_CHUNK = 1 << 22
-_BITS = (7, 6, 5, 4, 3, 2, 1, 0)  # np.packbits order: the first unit is the most significant bit
-
-
-class InspectionError(MetricError):
-    """A DeepInspect metric cannot be computed on this model and data (e.g. fewer than three classes)."""
-
-
-# ----------------------------------------------------------------------------- activity
-def check_threshold(threshold: Any, name: str = "threshold") -> float:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
-        raise ConfigError(f"{name}={threshold!r}: the activation threshold applies to the min–max scaled layer "
-                          f"output, so it must lie strictly between 0 and 1. Fix: e.g. {name}=0.5 (the paper's "
-                          "default).")
-    return float(threshold)
-
-
-def scaled_activity(mean: Tensor, lo: Tensor, hi: Tensor, threshold: float = DEFAULT_THRESHOLD, *,
-                    reduce: str = "mean") -> Tensor:
-    """Bool ``(N, c)``: unit ``c`` of input ``i`` active after min–max scaling the input's layer output.
-
-    ``mean``, ``lo``, ``hi``: per-input, per-channel mean, min and max of the layer output ``(N, c)``.
-    Active iff ``(v − min_all)/(max_all − min_all) > threshold`` with ``v = mean`` (``reduce="mean"``,
-    §10) or ``v = max`` (``reduce="max"``); never for a constant output. Computed in float64.
-    """
-    t = check_threshold(threshold)
-    if reduce not in ("mean", "max"):
-        raise ConfigError(f"reduce={reduce!r}: use 'mean' (the paper: the mean of the channel's scaled values) "
-                          "or 'max'. Fix: reduce='mean'.")
-    lo_all = lo.to(torch.float64).amin(dim=1, keepdim=True)
-    hi_all = hi.to(torch.float64).amax(dim=1, keepdim=True)
-    span = hi_all - lo_all
-    value = (mean if reduce == "mean" else hi).to(torch.float64)
-    flat = span > 0
-    scaled = (value - lo_all) / torch.where(flat, span, torch.ones_like(span))
-    return (scaled > t) & flat
-
-
-def layer_activity(acts: Any, threshold: float = DEFAULT_THRESHOLD, *, reduce: str = "mean") -> Tensor:
-    """:func:`scaled_activity` of a :class:`~pytest_dnnsafety.activations.LayerActivations` (needs its ``min``)."""
-    if getattr(acts, "min", None) is None:
-        raise MetricError(f"layer {getattr(acts, 'layer', '?')!r}: the activations carry no per-channel min, which "
-                          "the min–max scaling of DeepInspect needs. Fix: capture them with "
-                          "pytest_dnnsafety.activations.capture (it records max, mean and min).")
-    return scaled_activity(acts.mean, acts.min, acts.max, threshold, reduce=reduce)
-
-
-def pack_active(active: Tensor) -> Tensor:
-    """Bit-pack a bool ``(N, n)`` tensor into uint8 ``(N, ⌈n/8⌉)`` (``np.packbits`` layout, on its device)."""
-    n = active.shape[1]
-    pad = (-n) % 8
-    bits = torch.nn.functional.pad(active.to(torch.uint8), (0, pad)).reshape(active.shape[0], -1, 8)
-    weights = torch.tensor([1 << b for b in _BITS], dtype=torch.uint8, device=active.device)
-    return (bits * weights).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack_active(packed: Tensor, n_neurons: int) -> Tensor:
-    """Bool ``(N, n_neurons)`` from :func:`pack_active`'s (or ``np.packbits(..., axis=1)``'s) uint8 layout."""
-    shifts = torch.tensor(_BITS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(packed.shape[0], -1)[:, :n_neurons].bool()
-
-
-# ----------------------------------------------------------------------------- NAPVD and bias
-def _pop_std(x: Tensor) -> Tensor:
-    return x.std(correction=0) if x.numel() > 1 else torch.zeros((), dtype=x.dtype, device=x.device)
-
-
-def napvd_matrix(active_counts: Tensor, class_counts: Tensor) -> Tensor:
-    """The K×K NAPVD matrix of classes with ``class_counts > 0`` (float64, zero diagonal).
-
-    ``active_counts`` (units × K) integer counts of active units by class, ``class_counts`` (K,) the
-    inputs per class (all positive). Matrix products only; see the module doc for exactness.
-    """
-    a = active_counts.to(torch.float64)
-    c = class_counts.to(torch.int64)
-    n = a.shape[0]
-    top = torch.topk(c, min(2, c.numel())).values.tolist()
-    c1, c2 = (top + [0])[:2] if len(top) == 1 else top
-    gram = a.T @ a  # exact: integer entries below 2**53
-    if n * c1 * c1 < 2 ** 53 and 2 * n * (c1 * c2) ** 2 < 2 ** 62:
-        g = gram.round().to(torch.int64)
-        diag = g.diagonal()
-        ca, cb = c[:, None], c[None, :]
-        off = ~torch.eye(c.numel(), dtype=torch.bool, device=c.device)  # the diagonal (0) could overflow int64
-        zero = torch.zeros((), dtype=torch.int64, device=c.device)
-        sq_b, sq_a, cross = (torch.where(off, m, zero) for m in (cb * cb, ca * ca, 2 * ca * cb))
-        num = sq_b * diag[:, None] + sq_a * diag[None, :] - cross * g
-        ssq = num.to(torch.float64) / (ca * cb).to(torch.float64).square()
-    else:  # counts too large for exact integers: float Gram of p, clamped (≈1e-8 near 0)
-        p = a / c.to(torch.float64)
-        gp = p.T @ p
-        dp = gp.diagonal()
-        ssq = (dp[:, None] + dp[None, :] - 2 * gp).clamp_min(0.0)
-    ind = (active_counts > 0).to(torch.float64)
-    inter = ind.T @ ind
-    size = inter.diagonal()
-    union = size[:, None] + size[None, :] - inter
-    out = torch.where(union > 0, torch.sqrt(ssq) / torch.sqrt(union.clamp_min(1.0)), torch.zeros_like(ssq))
-    upper = torch.triu(out, 1)
-    return upper + upper.T  # exactly symmetric, zero diagonal
-
-
-def _union_sum(select: Tensor, term: Any, chunk_elements: int) -> Tensor:
-    """``S[i, j] = Σ_{k : select[i,k] or select[j,k]} term(i, j, k)`` for all pairs, without a K³ tensor.
-
-    ``select`` is symmetric and ``term`` symmetric in (i, j). By inclusion–exclusion,
-    ``S = T + Tᵀ − U`` with ``T[i, j] = Σ_{k ∈ select_i} term`` and ``U[i, j] = Σ_{k ∈ select_i ∩ select_j} term``;
-    both are sums over the selected (i, k) only, each giving a row ``term(i, ·, k)`` over all j:
-    the work is (selected entries) × K instead of K³. ``term(rows, cols)`` returns ``(m, K)``.
-    """
-    k = select.shape[0]
-    t = torch.zeros(select.shape, dtype=torch.float64, device=select.device)
-    u = torch.zeros_like(t)
-    rows, cols = torch.nonzero(select, as_tuple=True)
-    step = max(1, chunk_elements // k)
-    for start in range(0, int(rows.numel()), step):
-        i, c = rows[start:start + step], cols[start:start + step]
-        vals = term(i, c)
-        rows_i = i[:, None].expand(-1, k)  # scatter_add_: one kernel (index_add_ on 2-D loops per index on the CPU)
-        t.scatter_add_(0, rows_i, vals)
-        u.scatter_add_(0, rows_i, vals * select[c])  # select[j, c] = select[c, j]
-    return t + t.T - u
-
-
-def class_bias(dist: Tensor, link: Tensor | None = None, type1: Tensor | None = None, *,
-               chunk_elements: int = _TRIPLET_CHUNK) -> tuple[Tensor, Tensor | None]:
-    """``avg_bias`` (K×K) of a NAPVD matrix, and ``avg_cd`` (K×K) when ``type1`` is given.
-
-    ``link`` (K×K bool, symmetric): triplet (i, j, k) counts only if ``link[i,k] | link[j,k]``
-    (the label filter); None: no such filter. A triplet contributes to ``avg_bias`` only when
-    ``D_ik`` or ``D_jk`` is below the cutoff, so the sum runs over the (i, k) below it
-    (:func:`_union_sum`: selected entries × K work, in chunks of ``chunk_elements``), and ``avg_cd``
-    over the linked (i, k) (all far ones without a link). The matrices are mirrored from ``i < j``.
-    """
-    k = dist.shape[0]
-    if k < 3:
-        raise InspectionError(f"avg_bias needs at least three classes (a pair and a third class); got {k}. Fix: "
-                              "use data on which three or more classes are predicted.")
-    cutoff = dist.mean() - _pop_std(dist.reshape(-1))
-    far = dist > DISTANCE_FLOOR
-    zero = torch.zeros((), dtype=torch.float64, device=dist.device)
-
-    def allowed(i: Tensor, c: Tensor) -> Tensor:  # (m, K): far_ik (selected) & far_jk [& (link_ik | link_jk)]
-        ok = far[c]
-        if link is not None:
-            ok = ok & (link[i, c][:, None] | link[c])
-        return ok
-
-    def bias_term(i: Tensor, c: Tensor) -> Tensor:
-        d_ik = dist[i, c][:, None]
-        d_jk = dist[c]  # D_jk = D_kj
-        return torch.where(allowed(i, c), (d_ik / (d_ik + d_jk) - 0.5).abs(), zero)
-
-    avg = _union_sum((dist < cutoff) & far, bias_term, chunk_elements)
-    upper = torch.triu(avg, 1) / (k - 2)  # pairs i < j, as the authors; mirrored so the matrix is exactly symmetric
-    avg = upper + upper.T
-    if type1 is None:
-        return avg, None
-    sym = type1 + type1.T
-
-    def cd_term(i: Tensor, c: Tensor) -> Tensor:
-        return torch.where(allowed(i, c), (sym[i, c][:, None] - sym[c]).abs(), zero)
-
-    cd = _union_sum(far & link if link is not None else far, cd_term, chunk_elements)
-    upper = torch.triu(cd, 1) / (k - 2)
-    return avg, upper + upper.T
-
-
-def aucec(scores: Tensor, truth: Tensor, *, descending: bool = False) -> float | None:
-    """Area under the cost-effectiveness curve of ranking ``scores`` against the bool ``truth`` (module doc).
-
-    ``descending=False``: smallest score inspected first (NAPVD); True: largest first (avg_bias).
-    None when there is no ground-truth pair.
-    """
-    scores, truth = scores.detach().to("cpu", torch.float64), truth.detach().to("cpu", torch.bool)
-    total, found = int(scores.numel()), int(truth.sum())
-    if total == 0 or found == 0:
-        return None
-    key = -scores if descending else scores
-    order = torch.sort(key, stable=True).indices
-    keys, hits = key[order], truth[order].to(torch.float64)
-    _, counts = torch.unique_consecutive(keys, return_counts=True)
-    ends = torch.cumsum(counts, 0)
-    x = torch.cat([torch.zeros(1, dtype=torch.float64), ends.to(torch.float64) / total])
-    y = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hits, 0)[ends - 1] / found])
-    return float(((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2).sum())
 
 
 def _flag(values: Tensor, rule: str, top_share: float, *, low: bool) -> tuple[Tensor, float | None]:
@@ -355,6 +171,8 @@ class InspectionResult:
     biased: Tensor | None = None
     bias_cutoff: float | None = None
     bias_problem: str | None = None
+    #: why every avg_bias is 0 for want of evidence (no triplet entered eq. 3–4), else None
+    bias_no_signal: str | None = None
     label_filter: bool = False
     type1: Tensor | None = None  # (K, K): c(a→b), row = true class
     pair_type1: Tensor | None = None  # (P,): (c(a→b) + c(b→a)) / 2
@@ -468,7 +286,8 @@ class InspectionResult:
         }
         if self.pair_bias is not None and self.biased is not None:
             out.update({"max_avg_bias": self.max_bias(), "bias_cutoff": self.bias_cutoff,
-                        "biased_pairs": int(self.biased.sum()), "label_filter": self.label_filter})
+                        "biased_pairs": int(self.biased.sum()), "label_filter": self.label_filter,
+                        "bias_no_signal": self.bias_no_signal})
         elif self.bias_problem:
             out["bias_problem"] = self.bias_problem
         if self.has_labels:
@@ -482,7 +301,9 @@ class InspectionResult:
 
     def detail(self, *, by: str = "confusion") -> str:
         k = self.num_classes - len(self.unpredicted)
-        if by == "bias":
+        if by == "bias" and self.bias_no_signal is not None:  # no pair is "worst": every avg_bias is 0
+            head = f"no bias signal: every avg_bias is 0 ({self.n_pairs} pairs)"
+        elif by == "bias":
             worst = self.worst_pairs(1, by="bias")[0]
             head = (f"max avg_bias {worst['avg_bias']:.4g} for {worst['pair'][0]}–{worst['pair'][1]}; "
                     f"{int(self.biased.sum()) if self.biased is not None else 0} of {self.n_pairs} pairs biased "
@@ -569,7 +390,7 @@ def analyse(active_counts: Tensor, predicted_counts: Tensor, confusion: Tensor |
 
     avg_bias_full = pair_bias = biased = pair_cd = gt_biased = None
     bias_cut = None
-    problem = None
+    problem = no_signal = None
     use_filter = bool(label_filter and type1_k is not None)
     if kk < 3:
         problem = (f"avg_bias needs at least three predicted classes (a pair and a third class to compare them "
@@ -581,6 +402,7 @@ def analyse(active_counts: Tensor, predicted_counts: Tensor, confusion: Tensor |
         avg, cd = class_bias(d, link, type1_k, chunk_elements=chunk_elements)
         pair_bias = avg[iu[0], iu[1]]
         biased, bias_cut = _flag(pair_bias, rule, top_share, low=False)
+        no_signal = _bias_no_signal(d, pair_bias, use_filter)
         avg_bias_full = torch.full((k, k), math.nan, dtype=torch.float64, device=device)
         avg_bias_full[kept[:, None], kept[None, :]] = avg
         if cd is not None:
@@ -600,7 +422,7 @@ def analyse(active_counts: Tensor, predicted_counts: Tensor, confusion: Tensor |
         top_share=float(top_share), predicted_counts=c.cpu(), probabilities=probs.cpu(), napvd=napvd_full.cpu(),
         unpredicted=unpredicted, pair_index=kept[pair_local].cpu(), pair_napvd=pair_napvd.cpu(),
         confused=confused.cpu(), confusion_cutoff=conf_cut, avg_bias=cpu(avg_bias_full), pair_bias=cpu(pair_bias),
-        biased=cpu(biased), bias_cutoff=bias_cut, bias_problem=problem, label_filter=use_filter,
+        biased=cpu(biased), bias_cutoff=bias_cut, bias_problem=problem, bias_no_signal=no_signal, label_filter=use_filter,
         type1=cpu(type1), pair_type1=cpu(pair_type1), gt_confused=cpu(gt_confused), pair_cd=cpu(pair_cd),
         gt_biased=cpu(gt_biased), warnings=tuple(warnings))
 

@@ -55,8 +55,15 @@ def _measure_weighted_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: Gate
     if out.num_classes is not None and classes is not None and len(classes) != out.num_classes:
         raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has "
                           f"{out.num_classes} outputs. Fix: name every output, in order.")
+    out.check_labels(spec.fixtures["data"], classes)
     matrix = SeverityMatrix.load(given, classes, num_classes=out.num_classes, base_dir=ctx.settings.ini_dir,
                                  default=float(opts["default"]))
+    if matrix.max_weight == 0:  # Σ W∘C / N is 0 by construction: no signal, never a pass (issue #19 §6)
+        raise ConfigError(f"{spec.marker}: the severity matrix of {origin} weighs every misclassification 0 "
+                          f"(no positive entry; pairs it does not list weigh default={opts['default']!r}), so the "
+                          "weighted confusion is 0 whatever the model predicts and the gate could never fail. Fix: "
+                          "give the costly confusions a positive severity, e.g. severity={'1': {'7': 10.0}}, and "
+                          "leave default=1.0 so that unlisted errors count once.")
     engine = WeightedConfusionEngine(matrix, confidence=opts["confidence"], method=opts["method"],
                                      device=out.predictions.device)
     engine.update(out.predictions, out.labels.to(out.predictions.device))

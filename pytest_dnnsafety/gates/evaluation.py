@@ -131,6 +131,14 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
                 measurement = gate.measure(spec, fixture_values, ctx)
         compared = measurement.bound if measurement.bound is not None else measurement.value
         judged = measurement.inconclusive is None and measurement.contradiction is None
+        if judged:  # a NaN value beside a finite bound is no measurement either (issue #19 §6)
+            for name in ("value", "bound"):
+                number = getattr(measurement, name)
+                if isinstance(number, (int, float)) and math.isnan(number):
+                    raise MetricError(
+                        f"the measure function returned {name}=nan (value={measurement.value!r}, bound="
+                        f"{measurement.bound!r}), which is no measurement of {gate.metric}. Fix: return finite "
+                        "numbers, or Measurement(..., inconclusive='why') when the metric cannot be measured")
         if judged and (compared is None or not math.isfinite(float(compared))):
             raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
     except DnnSafetyError as exc:

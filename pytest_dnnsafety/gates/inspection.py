@@ -18,7 +18,12 @@ with different thresholds share the pass too.
   (``rule="std"``: NAPVD < mean − 1·std, the paper's; ``rule="top"``: the ``top_share`` closest pairs —
   note that this share is fixed by construction, and the std rule's is relative, see the engine doc).
 * ``max_class_bias``: the largest ``avg_bias`` over the pairs, in [0, ½). Needs three or more
-  predicted classes.
+  predicted classes. **No signal is no pass**: a triplet enters avg_bias only when one of its NAPVDs lies
+  below the cutoff (mean − std of the NAPVD matrix; eqs. 3–4); when none does (random activations, or
+  the authors' own CIFAR-10 model at activation thresholds 0.25 and 0.5) or no triplet passes the
+  filters, every avg_bias is 0 for want of evidence and there is no worst pair. The gate is then
+  *inconclusive*, naming the cutoff and the smallest NAPVD (value NaN, not 0): it does not report a
+  "strongest" signal, because below the paper's cutoff there is none to report.
 
 **A class never predicted** on the data has no activation profile: by default (``unpredicted="error"``)
 the gate is an error naming the class, because such a class is a defect the pairwise metrics would
@@ -76,6 +81,7 @@ def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: b
     if k is not None and classes is not None and len(classes) != k:
         raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has {k} outputs. "
                           "Fix: name every output, in order.")
+    out.check_labels(spec.fixtures["data"], classes)
     if k is None:  # a label-returning model: the names, else the largest class index seen
         seen = [int(out.predictions.max())]
         if out.labels is not None:
@@ -121,7 +127,10 @@ def _measure_class_bias(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext)
     res = _inspect(spec, fx, ctx, bias=True)
     value = res.max_bias()  # raises InspectionError (naming the fix) with fewer than three classes
     details = _base_details(spec, res, "bias")
-    return Measurement(value=value, detail=f"layer {spec.options['layer']}, {res.detail(by='bias')}", details=details)
+    detail = f"layer {spec.options['layer']}, {res.detail(by='bias')}"
+    if res.bias_no_signal is not None:  # every avg_bias 0 because no triplet counted: no evidence, not no bias
+        return Measurement(value=float("nan"), detail=detail, details=details, inconclusive=res.bias_no_signal)
+    return Measurement(value=value, detail=detail, details=details)
 
 
 # ------------------------------------------------------------------------------------- marker keywords

@@ -60,6 +60,28 @@ def _setup(spec: GateSpec) -> str:
     return f"occluder {h}x{w}, stride {sh}x{sw}, fill {fill}, ρ={o['rho']:g}, {o['target']} class"
 
 
+def _all_by_convention(spec: GateSpec, metric: str, result: Any) -> str | None:
+    """Why the value is no measurement of the model (issue #19 §4: no signal is never a pass), else None.
+
+    * every input's clean probability is already below ρ: every position is hot whatever is
+      occluded, so M_interpret is the mask's share of the positions and M_OccSen is 1 — geometry,
+      not the model;
+    * M_interpret with ``no_hot='one'``/``'zero'`` when no input has a hot position (a model that
+      ignores its input): every input counts as the convention's 1 or 0.
+    """
+    if result.n and result.below_rho >= result.n:
+        return (f"the model's probability of the original class is below ρ={spec.options['rho']:g} on every one of "
+                f"the {result.n} inputs before any occlusion, so every position is hot and M_{metric} reflects the "
+                "masks' geometry, not the model (Cheng et al. 2018, eq. 5 assumes a confident detection). Fix: "
+                "check the model (weights loaded? outputs=?) or lower rho=")
+    rule = spec.options["no_hot"]
+    if metric != "interpret" or rule == "skip" or result.n_interpret == 0 or result.no_hot < result.n_interpret:
+        return None
+    return (f"no occlusion changed the output on any of the {result.n_interpret} inputs (no hot position), so "
+            f"M_interpret is no_hot={rule!r}'s convention for every input, not a measurement. Fix: check that the "
+            "model reads its input; raise rho= or use a larger occluder (size=)")
+
+
 def _measure(metric: str, label: str) -> Any:
     def measure(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
         result = _occlusion(spec, fx, ctx)
@@ -67,7 +89,7 @@ def _measure(metric: str, label: str) -> Any:
         value = result.value(metric, aggregate)
         details = {**result.to_details(), "gated": f"M_{metric}", "aggregate": aggregate}
         return Measurement(value=value, detail=f"{_setup(spec)}: {label} {aggregate} {value:.3f}; {result.detail()}",
-                           details=details)
+                           details=details, inconclusive=_all_by_convention(spec, metric, result))
 
     measure.__doc__ = f"{label} (Cheng et al. 2018, §II-F/G, eq. 5) aggregated over the inputs."
     return measure

@@ -72,8 +72,11 @@ def _clip(value: Any) -> tuple[float, float] | None:
 
 
 def fault_set(cache: dict[str, Any], data: Any, family: str, severity: int, *, seed: int, model: Any = None,
-              batch_size: int = 256, device: str = "cpu", clip: Any = (0.0, 1.0)) -> Any:
+              batch_size: int = 256, device: str = "cpu", clip: Any = (0.0, 1.0), role: str = "dataset") -> Any:
     """``data`` under fault ``family`` at ``severity`` as a ``TensorDataset`` (labels kept), cached per session.
+
+    ``role`` names ``data``'s fixture in errors (an adversarial family checks that the labels are
+    classes the model outputs).
 
     The same object for the same arguments, so its forward pass and monitor scores are shared by
     every gate (and the ``fault_data`` fixture) that asks for it.
@@ -91,6 +94,12 @@ def fault_set(cache: dict[str, Any], data: Any, family: str, severity: int, *, s
         if adversarial and y is None:
             raise DataError(f"fault family {family!r} attacks the true class, but the evaluation data has no labels. "
                             "Fix: give labelled data (x, y).")
+        if adversarial and isinstance(model, torch.nn.Module):  # the attack's loss reads the true class
+            from ..activations import ActivationCache
+
+            out = cache.setdefault("activations", ActivationCache()).outputs(model, data, batch_size=batch_size,
+                                                                             device=device)
+            out.check_labels(role, what=f"fault family {family!r} (it attacks the true class)")
         if adversarial:
             from ..outputs import model_dtype_device
 
@@ -146,6 +155,7 @@ def _fitted(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str) 
         fitted = copy.deepcopy(monitor)  # the fixture's monitor stays as configured
         fitted.name = name  # reported under the name the gates use
         try:
+            _check_fit_labels(ctx, fx, spec.fixtures["fit_data"], name)
             fitted = fit_monitor(fitted, fx["model"], fx["fit_data"], seed=ctx.seed, batch_size=ctx.batch_size,
                                  device=ctx.device, cache=_activations(ctx), plan=_bank_layers(fx["monitors"]))
         except Exception as exc:
@@ -156,6 +166,17 @@ def _fitted(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str) 
     if isinstance(fitted, Exception):
         raise fitted
     return fitted, key
+
+
+def _check_fit_labels(ctx: GateContext, fx: Mapping[str, Any], role: str, name: str) -> None:
+    """DataError when the fit data's labels are classes the model cannot output (the pass is the fit's own, shared)."""
+    import torch
+
+    if not isinstance(fx["model"], torch.nn.Module):
+        return
+    out = _activations(ctx).outputs(fx["model"], fx["fit_data"], batch_size=ctx.batch_size, device=ctx.device,
+                                    plan=_bank_layers(fx["monitors"]))
+    out.check_labels(role, what=f"fitting monitor {name!r}")
 
 
 def _scores(ctx: GateContext, monitor: Any, key: tuple[Any, ...], model: Any, data: Any, plan: Sequence[str] = ()
@@ -206,7 +227,8 @@ def _sets(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> list[tuple
             continue
         for severity in severities[:1] if family in _SEVERITY_FREE else severities:
             data = fault_set(ctx.cache, fx["data"], family, severity, seed=ctx.seed, model=fx["model"],
-                             batch_size=ctx.batch_size, device=ctx.device, clip=opts["clip"])
+                             batch_size=ctx.batch_size, device=ctx.device, clip=opts["clip"],
+                             role=spec.fixtures["data"])
             out.append((family, None if family in _SEVERITY_FREE else severity, data))
     return out
 
@@ -319,6 +341,7 @@ def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: s
     if out.labels is None:
         raise DataError(f"fixture {role!r} has no labels; the system view compares each decision with the true "
                         "class. Fix: give labelled data (e.g. an .npz with keys x and y).")
+    out.check_labels(role)
     return out.predictions != out.labels.to(out.predictions.device)
 
 

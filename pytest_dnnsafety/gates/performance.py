@@ -58,6 +58,7 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
         if out.labels is None:
             raise MetricError(f"the data (fixture {spec.fixtures['data']!r}) has no labels; accuracy per scenario "
                               "needs them. Fix: give labelled evaluation data, e.g. an .npz with arrays x and y")
+        out.check_labels(spec.fixtures["data"])
         check_rows_match(table, out.n_inputs if shard is None else shard.n_rows,
                          table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
         extremes = None
@@ -169,6 +170,10 @@ def _measure_degradation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
     details = {**result.to_details(), "statistic": statistic, **({"user_metric": user} if user else {})}
     if group is None:
         return Measurement(value=float("nan"), detail=result.detail(), details=details, inconclusive=why)
+    if why is None and len(result.assessable) == 1 and group.size == result.n:  # compared with itself: 0 by construction
+        why = (f"only group {group.label()} has rows, so its accuracy is the whole data's and the drop is 0 by "
+               f"construction, not by measurement. Fix: add evaluation data for the other groups of "
+               f"by={list(result.by)}, or group by a condition whose values the data covers")
     what = "drop" if statistic == "point" else f"drop bound ({result.confidence:.0%}, U_all − L_group)"
     detail = (f"largest {what} {group.label()}: accuracy {group.accuracy:.3f} ({group.correct}/{group.size}) vs "
               f"overall {result.accuracy:.3f} (n={result.n}); {len(result.assessable)}/{len(result.groups)} groups "
@@ -239,7 +244,7 @@ MAX_SCENARIO_DEGRADATION = GateDef(
     measure=_measure_degradation,
     doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
         "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "
-        "without rows fail the gate unless allowed",
+        "without rows fail the gate unless allowed; a single group holding every row is inconclusive",
 )
 
 

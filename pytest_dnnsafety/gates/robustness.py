@@ -97,11 +97,45 @@ def _setup(spec: GateSpec) -> str:
     return "; ".join(parts)
 
 
+#: One-sided confidence of the lower bound on the clean accuracy that must exceed chance (no-signal check).
+CHANCE_CONFIDENCE = 0.95
+
+
+def _at_chance(result: Any) -> str | None:
+    """Why the confidence loss carries no signal: the clean accuracy is not above chance, else None.
+
+    Eq. (4) of Cheng et al. 2018 averages the drop of ``NN(in)``, the model's probability of the true
+    class. A model whose clean decisions are no better than always answering the most frequent label
+    (a random-output, constant or untrained model) has no true-class confidence to lose: its loss is
+    about 0 however fragile it is. So the one-sided 95 % Clopper–Pearson lower bound on the clean
+    accuracy must exceed that chance accuracy (the share of the most frequent label).
+    """
+    from ..stats import clopper_pearson_lower
+
+    chance = result.chance_accuracy
+    if chance is None:
+        return None
+    correct = round(result.clean_accuracy * result.n)
+    lower = float(clopper_pearson_lower([correct], result.n, CHANCE_CONFIDENCE)[0])
+    if lower > chance:
+        return None
+    return (f"the model's clean accuracy {result.clean_accuracy:.3f} ({correct}/{result.n}; "
+            f"{CHANCE_CONFIDENCE:.0%} lower bound {lower:.3f}) is not above chance ({chance:.3f}, the share of the "
+            "most frequent label), so its true-class probabilities carry no signal and their drop under "
+            "perturbation (M_adv, Cheng et al. 2018 eq. 4) is meaningless: a loss near 0 would say nothing about "
+            "robustness. Fix: check the model (weights loaded? the right model for this data?) and the data's "
+            "labels; gate robustness on a model that is better than chance")
+
+
 def _measure_confidence_loss(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Adversarial confidence loss −M_adv (Cheng et al. 2018, §II-D, eq. 4) over the marker's families."""
+    """Adversarial confidence loss −M_adv (Cheng et al. 2018, §II-D, eq. 4) over the marker's families.
+
+    Inconclusive when the clean accuracy is not above chance (:func:`_at_chance`): no signal, no pass.
+    """
     result = _adversarial(spec, fx, ctx)
     details = {**result.to_details(), "setup": _setup(spec)}
-    return Measurement(value=result.loss, detail=f"{_setup(spec)}: {result.detail()}", details=details)
+    return Measurement(value=result.loss, detail=f"{_setup(spec)}: {result.detail()}", details=details,
+                       inconclusive=_at_chance(result))
 
 
 def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:

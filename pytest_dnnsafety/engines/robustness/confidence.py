@@ -49,7 +49,10 @@ class AdversarialConfidenceResult:
     inputs correct clean *and* under every family; ``argworst_counts[i]`` = inputs on which family
     i gave the largest drop (ties: the first family). ``family_names``, ``eps`` and
     ``worst_inputs`` (up to 5 dicts ``index, family, p_clean, p_perturbed, drop``, largest drop
-    first) are filled by :func:`assess_adversarial_confidence`.
+    first) are filled by :func:`assess_adversarial_confidence`, and so is ``chance_accuracy``: the share
+    of the most frequent label, the clean accuracy a model that ignores its input can reach (a clean
+    accuracy not above it means the true-class probabilities ``NN(in)`` of eq. (4) carry no signal, so
+    their drop is meaningless; the gate makes that inconclusive).
     """
 
     n: int
@@ -63,6 +66,7 @@ class AdversarialConfidenceResult:
     family_names: tuple[str, ...] = ()
     eps: tuple[float, ...] = ()
     worst_inputs: tuple[dict[str, Any], ...] = ()
+    chance_accuracy: float | None = None
 
     def _names(self) -> tuple[str, ...]:
         if len(self.family_names) == len(self.per_family_loss):
@@ -99,6 +103,7 @@ class AdversarialConfidenceResult:
             "m_adv": _json_float(self.m_adv),
             "loss": _json_float(self.loss),
             "clean_accuracy": _json_float(self.clean_accuracy),
+            "chance_accuracy": None if self.chance_accuracy is None else _json_float(self.chance_accuracy),
             "robust_accuracy_all": _json_float(self.robust_accuracy_all),
             "worst_family": self.worst_family,
             "per_family_loss": {name: _json_float(v) for name, v in zip(names, self.per_family_loss)},
@@ -281,7 +286,7 @@ def assess_adversarial_confidence(
     guards = [ForwardGuard(f"adversarial confidence: model on {name!r} perturbations (eps={e:g})")
               for name, e in zip(names, budgets)]
     resolved = None if outputs == "auto" else outputs
-    lo = hi = y_lo = y_hi = None
+    lo = hi = y_lo = y_hi = label_counts = None
     nonfinite = torch.zeros(nf, dtype=torch.int64, device=target)
     first_bad = torch.full((nf,), -1, dtype=torch.int64, device=target)
     top = None  # (drop, index, family, p_clean, p_pert), up to WORST_INPUTS, on the device
@@ -312,6 +317,9 @@ def assess_adversarial_confidence(
                 resolved = detect_outputs(out)
             classes = out.shape[1]
             ys = y.clamp(0, classes - 1)  # an out-of-range label is reported after the loop
+            if label_counts is None:  # per-class label counts: the chance accuracy, read after the loop
+                label_counts = torch.zeros(classes, dtype=torch.int64, device=target)
+            label_counts.index_add_(0, ys, torch.ones_like(ys))
             with torch.no_grad():
                 p_clean = log_probs(out, resolved).gather(1, ys[:, None]).squeeze(1).exp()
                 correct_clean = out.argmax(dim=1) == y
@@ -360,7 +368,9 @@ def assess_adversarial_confidence(
     for guard in guards:
         guard.check()
     result = engine.compute()
-    return replace(result, family_names=tuple(names), eps=tuple(budgets), worst_inputs=_worst_list(top, names))
+    chance = int(label_counts.max()) / result.n if label_counts is not None else None
+    return replace(result, family_names=tuple(names), eps=tuple(budgets), worst_inputs=_worst_list(top, names),
+                   chance_accuracy=chance)
 
 
 def _run_family(fam: Any, name: str, model: Any, x: Tensor, y: Tensor, eps: float, gen: torch.Generator,

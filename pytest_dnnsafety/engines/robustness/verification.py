@@ -292,6 +292,7 @@ def verify_robustness(
     bad_box = torch.full((), -1, dtype=torch.int64, device=target)
     examples: dict[str, Tensor] | None = None  # the first MAX_COUNTEREXAMPLES falsified inputs
     n_classes = 0
+    y_lo = y_hi = None
     total, done = known_length(data) or 0, 0
     for index, (x, y) in enumerate(iter_batches(data, batch_size)):
         if y is None:
@@ -306,6 +307,8 @@ def verify_robustness(
             logits = guard(model, x)
         n_classes = logits.shape[1]
         bad_labels = _first(bad_labels, ((y < 0) | (y >= n_classes)).any(), index)
+        y_lo = y.amin() if y_lo is None else torch.minimum(y_lo, y.amin())  # named in the error, read after the loop
+        y_hi = y.amax() if y_hi is None else torch.maximum(y_hi, y.amax())
         y = y.clamp(0, n_classes - 1)  # an out-of-range label is reported after the loop
         pred = logits.argmax(dim=1)
         wrong = pred != y
@@ -361,8 +364,9 @@ def verify_robustness(
         raise DataError("certified robustness: the data set is empty. Fix: give at least one labelled input.")
     first_bad, first_unsound, both = (int(bad_labels), int(unsound), bool(overlap))  # one read after the loop
     if first_bad >= 0:
-        raise DataError(f"labels of batch {first_bad} lie outside [0, {n_classes}) (the model has {n_classes} "
-                        f"classes). Fix: give class indices matching the model's outputs.")
+        raise DataError(f"labels range over {int(y_lo)}..{int(y_hi)}, outside [0, {n_classes}) from batch "
+                        f"{first_bad} on (the model has {n_classes} classes). Fix: give class indices "
+                        f"0..{n_classes - 1} matching the model's outputs.")
     if first_unsound >= 0:
         raise MetricError(
             f"certified robustness: on batch {first_unsound} the certified margin bounds do not contain the model's "
