@@ -14,6 +14,7 @@ Known answers on the digits CNN (tests/_digits_project.py):
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -280,3 +281,42 @@ def test_bias_on_random_activations_has_no_signal_and_real_structure_has() -> No
     active = torch.rand(2000, 64, generator=gen) < rates[predictions]
     structured = inspect_classes(active, predictions, num_classes=10)
     assert structured.bias_no_signal is None and structured.max_bias() > 0
+
+
+PMI_LABEL_42 = """
+    import pytest
+    import torch
+
+
+    class Threshold(torch.nn.Module):
+        def forward(self, x):
+            return torch.stack([0.55 - x[:, 0], x[:, 0] - 0.55], dim=1)
+
+
+    @pytest.fixture(scope="session")
+    def model():
+        return Threshold()
+"""
+
+
+@pytest.mark.slow
+def test_pmi_gate_with_labels_outside_the_model_classes_is_an_error(gate_project: GateProject) -> None:
+    gen = np.random.default_rng(0)
+    np.savez(gate_project.pytester.path / "operation.npz", x=gen.random((400, 2)).astype(np.float32))
+    np.savez(gate_project.pytester.path / "labelled.npz", x=gen.random((300, 2)).astype(np.float32),
+             y=np.full(300, 42, dtype=np.int64))
+    gate_project.ini.update({"dnnsafety_operational_data": "operation.npz", "dnnsafety_data": "labelled.npz"})
+    gate_project.write("conftest.py", PMI_LABEL_42)
+    gate_project.tests("""
+        import pytest
+
+
+        @pytest.mark.max_pmi_ub(1.0, eps=0.05, box=[[0, 0], [1, 1]], samples_per_cell=100, bootstrap=5,
+                                accept_violated_assumptions=True, empty_cell_label="nearest")
+        def test_pmi():
+            pass
+    """)
+    gate_project.run("--dnnsafety-json=evidence.json")
+    gate = json.loads((gate_project.pytester.path / "evidence.json").read_text())["gates"][0]
+    assert gate["status"] == "error", gate["summary"]
+    assert "class 42" in gate["summary"] and "2 classes" in gate["summary"], gate["summary"]

@@ -14,7 +14,9 @@ Where the severity matrix comes from, first match wins:
   The fixture is requested only then, so projects that give ``severity=`` need no such fixture.
 
 Pairs that a file or dict does not list weigh ``default`` (1.0: an unrated error still counts as one
-plain error; 0 ignores it). The gate compares the upper confidence bound by default (``gate_on="bound"``):
+plain error; 0 ignores it). A matrix that weighs every misclassification 0 (an all-zero file, or
+``default=0`` with no positive entry) is an error naming its source: the weighted confusion would be 0
+by construction, a gate that cannot fail. Labels outside the model's classes are an error too. The gate compares the upper confidence bound by default (``gate_on="bound"``):
 "with 95 % confidence the expected severity per input in operation is below the threshold" is the claim a
 safety case needs, and a small or lucky test set cannot pass on its point estimate alone; ``gate_on="value"``
 compares the estimate (the bound stays in the details). No torch import at module level.

@@ -12,6 +12,11 @@ M_OccSen is gated both ways: ``max_occlusion_sensitivity`` follows the paper (a 
 the object whose occlusion breaks the prediction is fragility to partial occlusion), and
 ``min_occlusion_sensitivity`` asks that the object matter at all (a model that reads the
 context keeps its prediction wherever the object is occluded, so its M_OccSen is near 0).
+
+No signal, no pass: a gate is *inconclusive* when the model's probability of the original class is
+below ``rho`` on every input before any occlusion (every position is hot: the value is the masks'
+geometry), and ``min_interpretation_precision`` also when, under ``no_hot='one'``/``'zero'``, no input
+has a hot position (every input scores the convention).
 """
 
 from __future__ import annotations

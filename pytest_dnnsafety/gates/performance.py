@@ -10,8 +10,10 @@ gates, neuron gates included.
 Groups with fewer than ``min_samples`` rows are *not assessable* and groups of the declared domain
 with no row at all are *empty*; either makes the gate inconclusive (it fails, naming the groups)
 unless ``allow_small_groups`` / ``allow_empty_groups`` says otherwise, and then they are left out of
-the gated value. Groups the declared restrictions rule out are never required. No torch import at
-module level.
+the gated value. Groups the declared restrictions rule out are never required. Labels outside the
+model's classes are an error (accuracy would be 0 everywhere, so nothing would "degrade"), and a
+degradation with a single group holding every row is inconclusive (the data compared with itself).
+No torch import at module level.
 
 Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
 batches, counts its rows' groups (the scenario table rows sliced alike) and the engine's counts are

@@ -5,7 +5,10 @@ Engines in :mod:`..engines.robustness`: perturbation families (gradient attacks 
 perturbations), the adversarial confidence loss of Cheng et al. 2018 (§II-D, eq. 4), and certified
 bounds (IBP, CROWN) with a PGD search for counterexamples. The two empirical gates share one
 measurement when they name the same model, data and perturbations (one run of the families, not
-one per gate). No torch import at module level.
+one per gate). ``max_adversarial_confidence_loss`` is *inconclusive* when the model's clean accuracy is
+not above chance (the share of the most frequent label, by a one-sided 95 % Clopper–Pearson lower
+bound): a random-output or constant model has no true-class confidence to lose, so its loss near 0
+is no evidence of robustness. No torch import at module level.
 """
 
 from __future__ import annotations
