@@ -221,6 +221,18 @@ def test_step_summary_on_the_evidence_is_refused(gate_project: GateProject, monk
     result.stderr.fnmatch_lines(["*dnnsafety_json='e.json'*GITHUB_STEP_SUMMARY=*both resolve to*"])
 
 
+def test_two_inputs_may_share_a_file_but_an_output_may_not_join_them(tmp_path: Path) -> None:
+    from pytest_dnnsafety.report.paths import Output, check_collisions
+
+    shared = tmp_path / "eval.npz"
+    shared.write_bytes(b"x")
+    data = Output("dnnsafety_data", shared, writes=False, setting="data")
+    operational = Output("dnnsafety_operational_data", shared, writes=False, setting="operational_data")
+    check_collisions([data, operational])  # one .npz for both roles is fine
+    with pytest.raises(ConfigError, match="dnnsafety_json.*overwrite|dnnsafety_json.*delete"):
+        check_collisions([data, operational, Output("dnnsafety_json", shared, setting="json")])
+
+
 def test_baseline_may_be_replaced_by_the_saved_baseline(gate_project: GateProject) -> None:
     gate_project.tests(GATED)
     gate_project.run("--dnnsafety-save-baseline=base.json").assert_outcomes(passed=1)

@@ -10,6 +10,7 @@ test is collected (:func:`check_marker_output`), long before the assessment that
 Rules (:func:`check_collisions`, :func:`check_marker_output`), on paths resolved with
 :func:`os.path.realpath` (links and ``..`` followed, so two spellings of one file collide):
 
+* two inputs may be one file (``dnnsafety_data`` and ``dnnsafety_operational_data`` from one ``.npz``);
 * two outputs on one file are refused: the last written would silently replace the other's
   evidence (and the evidence removes a stale file of its name at start);
 * an output on the baseline or on an input file is refused — the evidence would delete it at
@@ -97,8 +98,8 @@ def check_collisions(files: Iterable[Output]) -> None:
         if first is None:
             seen[file.real] = file
             continue
-        if _allowed(first, file):
-            continue
+        if _allowed(first, file) or not (first.writes or file.writes):
+            continue  # two settings may read one file (data and operational data from one .npz)
         reader = next((f for f in (first, file) if not f.writes), None)
         if reader is not None:
             writer = file if reader is first else first
