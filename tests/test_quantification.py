@@ -1,11 +1,13 @@
-"""DeepQuant (seed 004, METRICS.md §11): safety expressions, the Lipschitzian pattern search, the certified radius.
+"""DeepQuant (Xu, Ruan, Huang et al.): safety expressions, the Lipschitzian search, the certified radius, the PGD check.
 
 Expressions against hand formulas; the search against the analytic Lipschitz constant of a linear
 model (the dual norm of its gradient) and against a dense 401×401 grid over the ball of a small
 ReLU network in 2-D; batched runs against input-by-input runs (bitwise up to 1e-12); the L1
 projection against a QP solved by scipy; hypothesis: every x̂ lies in ball ∩ clip; the certified
-radius against the true safe radius on a dense grid (soundness); the digits CNN on (N, 1, 8, 8)
-images; bad inputs.
+radius against the true safe radius on a dense grid (soundness); affine models: Q is the closed form
+(with and without clip, box corners included); a model whose cliff the search misses: PGD refutes the
+estimate and names the inputs, the certified radius holds; the digits CNN on (N, 1, 8, 8) images;
+bad inputs.
 """
 
 from __future__ import annotations
@@ -107,6 +109,26 @@ def _s_at(net: nn.Module, centre: torch.Tensor, pts: torch.Tensor, expression: s
     return (torch.full_like(p, 1 / m) * torch.log((1 / m) / p)).sum(dim=1) - eps
 
 
+def _grad_norms(net: nn.Module, centre: torch.Tensor, pts: torch.Tensor, expression: str, norm: str) -> torch.Tensor:
+    """‖∇s(x̂)‖_q at each point (the dual norm of the ball norm), by autograd on the hand formula."""
+    pts = pts.clone().requires_grad_(True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(_s_at_grad(net, centre, pts, expression).sum(), pts)
+    return torch.linalg.vector_norm(g, ord=DUAL[norm], dim=1)
+
+
+def _s_at_grad(net: nn.Module, centre: torch.Tensor, pts: torch.Tensor, expression: str) -> torch.Tensor:
+    with torch.no_grad():
+        p0 = torch.softmax(net(centre[None]), dim=1)[0]
+    p = torch.softmax(net(pts), dim=1)
+    top = int(p0.argmax())
+    if expression == "top_vs_runner_up":
+        return p[:, top] - torch.cat([p[:, :top], p[:, top + 1:]], dim=1).max(dim=1).values
+    if expression == "reachability":
+        return p[:, top]
+    return -torch.log(p).mean(dim=1)
+
+
 # ----------------------------------------------------------------------------- expressions
 
 
@@ -165,7 +187,8 @@ def test_linear_model_lipschitz_constant_is_the_dual_norm(norm: str, method: str
         torch.testing.assert_close(res.q, torch.full((4,), factor * dual, dtype=torch.float64), rtol=1e-6, atol=0)
         expected = (res.s / (factor * dual)).clamp(0, 0.3)
         torch.testing.assert_close(res.radius, expected, rtol=1e-6, atol=0)
-        assert bool((res.evaluations == 1 + res.iterations * 5).all())  # 2n + 1 points per poll, n = 2
+        ascent = res.settings["ascent_starts"] * (res.settings["ascent_steps"] + 1)  # the gradient seeds' points
+        assert bool((res.evaluations == 1 + res.iterations * 5 + ascent).all())  # 2n + 1 points per poll, n = 2
 
 
 @pytest.mark.parametrize("network", ["smooth", "sharp"])
@@ -184,7 +207,10 @@ def test_relu_network_within_a_few_percent_of_a_dense_grid(norm: str, method: st
             s0 = _s_at(net, x[i], x[i:i + 1], expression)
             dist = lp_norm(delta, norm)
             grid_q = float(((s0 - s).abs() / dist)[dist > 0].max())
-            assert 0.95 * grid_q <= float(res.q[i]) <= 1.02 * grid_q, (expression, i, float(res.q[i]), grid_q)
+            # q also holds the gradient norms seen: at most the grid's largest ‖∇s‖_q (the Lipschitz constant L)
+            grid_l = max(grid_q, float(_grad_norms(net, x[i], pts, expression, norm).max()))
+            assert 0.95 * grid_q <= float(res.q_ratio[i]) <= 1.02 * grid_q, (expression, i, float(res.q_ratio[i]))
+            assert 0.95 * grid_q <= float(res.q[i]) <= 1.02 * grid_l, (expression, i, float(res.q[i]), grid_q, grid_l)
             torch.testing.assert_close(res.s[i], s0[0], rtol=0, atol=1e-12)
 
 
@@ -218,12 +244,16 @@ def test_a_batched_search_equals_the_same_search_input_by_input(norm: str, metho
 def test_the_seed_changes_mads_and_only_mads() -> None:
     net = _mlp(5, 32, 4, seed=1)
     x = torch.rand(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    options = dict(d=0.2, iterations=15, starts=1)
+    options = dict(d=0.2, iterations=15, starts=1, ascent_starts=0)
     gps = [lipschitz_search(net, x, method="gps", seed=s, **options).q for s in (0, 1)]
     mads = [lipschitz_search(net, x, method="mads", seed=s, **options).q for s in (0, 1)]
     assert torch.equal(gps[0], gps[1])
     assert not torch.equal(mads[0], mads[1])
     assert torch.equal(mads[0], lipschitz_search(net, x, method="mads", seed=0, **options).q)
+    # the gradient-norm ascent's random starts are keyed by the seed too: same seed, same numbers
+    seeded = [lipschitz_search(net, x, method="gps", seed=s, d=0.2, iterations=15, starts=1) for s in (0, 0, 1)]
+    assert torch.equal(seeded[0].q_gradient, seeded[1].q_gradient) and torch.equal(seeded[0].q, seeded[1].q)
+    assert not torch.equal(seeded[0].q_gradient, seeded[2].q_gradient)
 
 
 def test_quantify_safety_over_data_does_not_depend_on_the_batch_size() -> None:
@@ -231,11 +261,13 @@ def test_quantify_safety_over_data_does_not_depend_on_the_batch_size() -> None:
     x = torch.rand(20, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     runs = [quantify_safety(net, (x, torch.zeros(20, dtype=torch.int64)), d=0.2, iterations=20, method="mads",
                             starts=2, batch_size=b, certified="crown", worst=3) for b in (7, 20)]
-    for name in ("s", "q", "radius", "iterations", "evaluations", "unsafe_distance", "certified"):
+    for name in ("s", "q", "radius", "iterations", "evaluations", "unsafe_distance", "certified", "q_ratio",
+                 "q_gradient", "pgd_distance"):
         torch.testing.assert_close(getattr(runs[0], name), getattr(runs[1], name), rtol=0, atol=1e-12)
-    assert runs[0].value == runs[1].value == float(runs[0].radius.min())
+    assert runs[0].statistic == "certified"  # the default: the gated value is the proved radius
+    assert runs[0].value == runs[1].value == float(runs[0].certified.min())
     assert runs[0].worst == runs[1].worst
-    assert [w["index"] for w in runs[0].worst] == runs[0].radius.argsort()[:3].tolist()
+    assert [w["index"] for w in runs[0].worst] == runs[0].certified.argsort(stable=True)[:3].tolist()
 
 
 def test_estimate_edge_cases_unsafe_centre_and_constant_model() -> None:
@@ -263,13 +295,120 @@ def test_top_vs_label_does_not_apply_to_inputs_of_that_class() -> None:
     assert bool(torch.isnan(res.radius[top == label]).all())
     assert bool(torch.isfinite(res.radius[top != label]).all())
     assert bool((res.evaluations[top == label] == 1).all())  # no search for them
-    summary = quantify_safety(net, x, "top_vs_label", label=label, d=0.1, iterations=5, starts=1, certified=None)
+    summary = quantify_safety(net, x, "top_vs_label", label=label, d=0.1, iterations=5, starts=1, certified=None,
+                              statistic="estimate")
     assert summary.n_applicable == int((top != label).sum())
     assert summary.value == float(res.radius[top != label].min())
     assert summary.to_details()["not_applicable"] == int((top == label).sum())
     only = x[top == label]
     with pytest.raises(MetricError, match="applies to no input.*Fix: "):
         quantify_safety(net, only, "top_vs_label", label=label, d=0.1, iterations=5, starts=1)
+
+
+class AffineProbabilities(nn.Module):
+    """Three classes with probabilities affine in x: f = A·x + c (columns of A sum to 0, c to 1).
+
+    Valid probabilities near [0, 1]^n (so also without clip)."""
+
+    def __init__(self, n: int = 6, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        a = (torch.rand(3, n, dtype=torch.float64, generator=g) - 0.5) * 0.06
+        self.a = nn.Parameter(a - a.mean(dim=0, keepdim=True))
+        self.c = torch.tensor([0.34, 0.33, 0.33], dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.flatten(1) - 0.5) @ self.a.T + self.c
+
+
+@pytest.mark.parametrize("clip", [(0.0, 1.0), None], ids=["clip", "no-clip"])
+@pytest.mark.parametrize("norm", ["linf", "l2", "l1"])
+def test_affine_model_q_is_the_closed_form_with_and_without_clip(norm: str, clip: tuple | None) -> None:
+    """s = f_l1 − f_l2 − ε is affine: its Lipschitz constant on B(x, d, p) ∩ clip is ‖a_l1 − a_l2‖_q exactly
+    (the gradient is constant and the ball ∩ box has interior), and Theorem 1's s(x)/Q is then never above the
+    exact radius s(x)/‖a_l1 − a_l2‖_q. With the default iterations the pattern search alone fell short of Q for
+    most inputs; the gradient-norm seeds report it at their first step. Inputs include box corners, where no centred
+    ratio inside the box reaches the dual norm (its sup over a cone of directions is smaller)."""
+    model = AffineProbabilities()
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(40, 6, dtype=torch.float64, generator=g)
+    x[:4] = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)  # a corner of the box
+    with torch.no_grad():
+        p = model(x)
+    top, least = p.argmax(dim=1), p.argmin(dim=1)
+    a = model.a.detach()
+    for expression, label, eps in (("top_vs_least", None, 0.0), ("top_vs_label", 2, 0.0), ("reachability", 1, 0.3)):
+        res = lipschitz_search(model, x, expression, label=label, eps=eps, d=0.2, norm=norm, clip=clip,
+                               outputs="probabilities")
+        other = least if expression == "top_vs_least" else torch.full_like(top, label)
+        w = a[top] - a[other] if expression != "reachability" else a[other]
+        exact_q = torch.linalg.vector_norm(w, ord=DUAL[norm], dim=1)
+        ok = res.applicable
+        torch.testing.assert_close(res.q[ok], exact_q[ok], rtol=1e-6, atol=0)
+        exact_radius = (res.s / exact_q).clamp(0, 0.2)
+        if expression == "top_vs_least":  # radii inside the ball: the comparison means something
+            assert int((exact_radius[ok] < 0.2).sum()) >= 5
+        assert bool((res.radius[ok] <= exact_radius[ok] * (1 + 1e-6)).all())
+        assert bool((res.q_ratio[ok] <= exact_q[ok] * (1 + 1e-9)).all())  # every centred ratio is below L
+    if clip is not None and norm == "linf":  # at the corner the centred ratio cannot reach ‖w‖₁: the gradient does
+        res = lipschitz_search(model, x[:1], "top_vs_label", label=2, d=0.2, norm=norm, clip=clip,
+                               iterations=400, mesh_tol=1e-10)
+        exact = float(torch.linalg.vector_norm(a[int(top[0])] - a[2], ord=1))
+        assert float(res.q_ratio[0]) < exact * (1 - 1e-3) and float(res.q[0]) == pytest.approx(exact, rel=1e-9)
+
+
+def cliff_model(n: int = 16, t: float = 0.05, k: float = 200.0) -> nn.Module:
+    """Logits whose margin is 1.5 − 0.5·(u + 1) − k·relu(u − t), u = mean(x − 0.5): gentle near x = 0.5, a cliff
+    beyond u = t (the margin is 0 at u ≈ 0.0575, the exact L∞ safe radius at x = 0.5). Linear/ReLU: CROWN covers it."""
+    first, last = nn.Linear(n, 2).double(), nn.Linear(2, 2).double()
+    with torch.no_grad():
+        first.weight.fill_(1.0 / n)
+        first.bias.copy_(torch.tensor([-0.5 - t, 0.5]))
+        last.weight.copy_(torch.tensor([[-k, -0.5], [0.0, 0.0]]))
+        last.bias.copy_(torch.tensor([1.5, -0.5]))
+    return nn.Sequential(first, nn.ReLU(), last).eval()
+
+
+def test_pgd_finds_an_adversarial_example_inside_an_overstated_estimate() -> None:
+    """Without the gradient seeds and with a short search, the pattern search misses the cliff and estimates the
+    radius at d; PGD on s inside that ball finds s < 0 — the estimate is refuted and named; the certified radius
+    (the default statistic) stays below the true radius, and the gradient-norm seeds make the estimate sound."""
+    net = cliff_model()
+    x = torch.full((3, 16), 0.5, dtype=torch.float64)
+    x[2] = 0.3  # far from the cliff: u ≤ −0.1 in the ball, nothing to find
+    blind = quantify_safety(net, x, d=0.1, iterations=3, ascent_starts=0, statistic="estimate")
+    assert blind.radius[:2].tolist() == [0.1, 0.1] and blind.value == 0.1
+    assert bool(torch.isfinite(blind.pgd_distance[:2]).all()) and float(blind.pgd_distance[2]) == math.inf
+    assert blind.closer_than_estimate.tolist() == [True, True, False]
+    assert blind.contradiction is not None and "#0, #1" in blind.contradiction
+    assert "statistic='certified'" in blind.contradiction
+    pgd = blind.to_details()["pgd_check"]
+    assert (pgd["checked"], pgd["closer_than_gated"], pgd["closer_than_gated_first"]) == (3, 2, [0, 1])
+    assert "estimate (heuristic lower bound on Q ⇒ not a guarantee)" in blind.detail()
+    default = quantify_safety(net, x, d=0.1, iterations=3, ascent_starts=0)
+    assert default.statistic == "certified" and default.contradiction is None
+    assert default.value == pytest.approx(float(default.certified.min())) and default.value <= 0.0575
+    assert default.to_details()["pgd_check"]["closer_than_estimate"] == 2  # reported, not gated
+    assert "certified (CROWN)" in default.detail()
+    seeded = quantify_safety(net, x, d=0.1, iterations=3, statistic="estimate")
+    assert seeded.contradiction is None and float(seeded.radius[0]) < 0.0575
+    assert float(seeded.q_gradient[0]) > 10 * float(blind.q[0])
+
+
+def test_a_model_without_input_gradients_skips_the_pgd_check_and_says_so() -> None:
+    class NoGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp(2, 8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return self.net(x)
+
+    x = torch.rand(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    res = quantify_safety(NoGrad().eval(), x, d=0.1, iterations=3, certified=None, statistic="estimate")
+    assert res.pgd_distance is None and "no input gradient" in res.pgd_reason
+    assert float(res.q_gradient.max()) == 0.0 and "PGD check not run" in res.detail()
 
 
 # ----------------------------------------------------------------------------- balls
@@ -398,8 +537,9 @@ def test_digits_images(digits_run) -> None:
     assert res.outputs == "logits"
     assert bool((res.radius >= 0).all() & (res.radius <= 0.05).all())
     assert bool((res.q >= 0).all()) and float(res.q.max()) > 0
-    assert bool((res.iterations <= 15).all() & (res.evaluations <= 1 + 2 * 15 * 129).all())
-    assert bool(((res.evaluations - 1) % 129 == 0).all())  # 2n + 1 = 129 points per poll on 8×8 images
+    ascent = res.settings["ascent_starts"] * (res.settings["ascent_steps"] + 1)  # the gradient seeds' points
+    assert bool((res.iterations <= 15).all() & (res.evaluations <= 1 + 2 * 15 * 129 + ascent).all())
+    assert bool(((res.evaluations - 1 - ascent) % 129 == 0).all())  # 2n + 1 = 129 points per poll on 8×8 images
     assert res.certified is not None and bool((res.certified <= res.unsafe_distance).all())
     assert res.contradiction is None
     assert len(res.worst) == 4 and len(res.worst_points) == 4

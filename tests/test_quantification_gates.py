@@ -2,11 +2,14 @@
 
 A user project with the example's digits CNN and held-out digits as ``(N, 1, 8, 8)`` images in
 ``[0, 1]`` (the gates read the first 40 through a ``small`` fixture, to keep the pattern search
-quick on a CPU). The healthy model passes sensible thresholds with the estimate, the certified
-radii beside it and the worst inputs in the details; a noise-sensitive model (a logit that
-oscillates with the input) fails, its certified part ``None`` with the reason; ``-n 2`` gives the
-same numbers; bad arguments are collection errors, or gate errors naming the fix where only the
-model can tell. The family is passed with ``-p`` until the plugin lists it among its built-ins.
+quick on a CPU). The healthy model passes sensible thresholds with the certified radius (the
+default statistic), the estimate beside it, the PGD check's counts and the worst inputs in the
+details; a noise-sensitive model (a logit that oscillates with the input) is inconclusive by
+default (the bounds do not cover it, the reason given) and fails with ``statistic='estimate'``; a
+model whose cliff the search misses fails by default, and with ``statistic='estimate'`` the PGD
+check names the inputs; ``-n 2`` gives the same numbers; bad arguments are collection errors, or
+gate errors naming the fix where only the model can tell. The family is passed with ``-p`` until the
+plugin lists it among its built-ins.
 """
 
 from __future__ import annotations
@@ -61,8 +64,33 @@ STEEP = """
 HEALTHY = {
     "runner_up": "min_safe_radius(0.001, d=0.05, iterations=10, data='small')",
     "uncertainty": ("min_safe_radius(0.05, expression='uncertainty', eps=0.5, norm='l2', d=0.5, quantile=0.5, "
-                    "method='mads', iterations=10, starts=1, certified='ibp', certified_steps=6, data='small')"),
+                    "method='mads', iterations=10, starts=1, certified='ibp', certified_steps=6, statistic='estimate', "
+                    "data='small')"),
 }
+
+CLIFF = """
+    import pytest
+    import torch
+    from torch import nn
+
+
+    @pytest.fixture(scope="session")
+    def model():
+        \"\"\"Margin 1.5 − 0.5·(u + 1) − 200·relu(u − 0.05), u = mean(x − 0.5): zero at u ≈ 0.0575.\"\"\"
+        first, last = nn.Linear(16, 2).double(), nn.Linear(2, 2).double()
+        with torch.no_grad():
+            first.weight.fill_(1.0 / 16)
+            first.bias.copy_(torch.tensor([-0.55, 0.5]))
+            last.weight.copy_(torch.tensor([[-200.0, -0.5], [0.0, 0.0]]))
+            last.bias.copy_(torch.tensor([1.5, -0.5]))
+        return nn.Sequential(first, nn.ReLU(), last).eval()
+
+
+    @pytest.fixture(scope="session")
+    def centres():
+        x = torch.full((3, 16), 0.5, dtype=torch.float64)
+        return x, torch.zeros(3, dtype=torch.int64)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -90,28 +118,39 @@ def test_healthy_digits_cnn_passes(gate_project: GateProject, files: Path) -> No
     details = runner_up["details"]
     assert details["n"] == 40 and details["n_applicable"] == 40 and details["quantile"] == 0.0
     assert 0.001 <= runner_up["value"] <= 0.05
-    assert runner_up["value"] == details["estimate"]["min"]
+    assert details["statistic"] == "certified" and details["statistic_label"] == "certified (CROWN)"
+    assert runner_up["value"] == details["certified"]["min"] and details["estimate"]["min"] > 0
+    pgd = details["pgd_check"]
+    assert pgd["checked"] == 40 and pgd["closer_than_gated"] == 0 and pgd["closer_than_gated_first"] == []
+    assert pgd["steps"] == 10 and pgd["restarts"] == 2
     assert details["settings"]["expression"] == "top_vs_runner_up" and details["settings"]["norm"] == "linf"
     assert details["settings"]["method"] == "gps" and details["settings"]["starts"] == 2
     cert = details["certified"]
     assert cert["method"] == "crown" and 0 < cert["min"] <= 0.05 and cert["value"] == cert["min"]
     worst = details["worst"]
-    assert len(worst) == 5 and worst[0]["estimate"] == runner_up["value"]
-    assert [w["estimate"] for w in worst] == sorted(w["estimate"] for w in worst)
+    assert len(worst) == 5 and worst[0]["gated"] == worst[0]["certified"] == runner_up["value"]
+    assert [w["gated"] for w in worst] == sorted(w["gated"] for w in worst)
     for entry in worst:
         assert 0 <= entry["index"] < 40 and len(entry["x_hat"]) == 64
         assert entry["linf_distance"] <= 0.05 + 1e-6 and entry["q"] > 0
         assert entry["certified"] is not None and entry["certified"] <= (entry["unsafe_distance"] or 1.0)
     assert unc["details"]["settings"]["norm"] == "l2" and unc["details"]["certified"]["method"] == "ibp"
     assert unc["value"] == pytest.approx(unc["details"]["estimate"]["median"])
+    assert unc["details"]["statistic_label"] == "estimate (heuristic lower bound on Q ⇒ not a guarantee)"
     result.stdout.fnmatch_lines(["*min_safe_radius*"])
 
 
 def test_a_noise_sensitive_model_fails(gate_project: GateProject, files: Path) -> None:
-    project = _project(gate_project, files, {"runner_up": HEALTHY["runner_up"]}, STEEP)
+    estimate = HEALTHY["runner_up"].replace("data=", "statistic='estimate', data=")
+    project = _project(gate_project, files, {"runner_up": estimate, "default": HEALTHY["runner_up"]}, STEEP)
     result = _run(project)
     assert result.ret != 0
-    gate = gates_of(project)["runner_up"]
+    gates = gates_of(project)
+    default = gates["default"]  # nothing sound to gate: the bounds do not cover the model
+    assert default["status"] == "inconclusive", default
+    why = default["details"]["inconclusive"]
+    assert "statistic='certified'" in why and "statistic='estimate'" in why and "'sum" in why
+    gate = gates["runner_up"]
     assert gate["status"] == "failed" and gate["value"] < 0.001, gate
     details = gate["details"]
     assert details["certified"] is None
@@ -121,13 +160,38 @@ def test_a_noise_sensitive_model_fails(gate_project: GateProject, files: Path) -
 
 def test_same_seed_same_numbers_and_xdist_agrees(gate_project: GateProject, files: Path) -> None:
     gates = {**HEALTHY, "mads": "min_safe_radius(0.0, d=0.05, method='mads', iterations=5, starts=3, "
-                                "certified=False, data='small')"}
+                                "certified=False, statistic='estimate', data='small')"}
     project = _project(gate_project, files, gates)
     assert _run(project).ret == 0
     serial = {name: (g["value"], g["details"]) for name, g in gates_of(project).items()}
     assert _run(project, "-n", "2", subprocess=True).ret == 0
     parallel = {name: (g["value"], g["details"]) for name, g in gates_of(project).items()}
     assert parallel == serial
+
+
+def test_an_adversarial_example_inside_the_estimate_fails_the_gate(gate_project: GateProject, files: Path) -> None:
+    """The search misses the cliff (no gradient seeds, 3 polls) and estimates the radius at d = 0.1; PGD finds s < 0
+    inside it. By default the gate compares the certified radius (≈ 0.057 < 0.08) and fails; with
+    statistic='estimate' the PGD check refutes the estimate and names the inputs. With the default seeds the estimate
+    is below the true radius (0.0575) and the gate at 0.005 passes."""
+    common = "d=0.1, iterations=3, ascent_starts=0, data='centres'"
+    gates = {"default": f"min_safe_radius(0.08, {common})",
+             "estimate": f"min_safe_radius(0.08, statistic='estimate', {common})",
+             "seeded": "min_safe_radius(0.005, d=0.1, iterations=3, statistic='estimate', data='centres')"}
+    project = digits_project(gate_project, files, gates, textwrap.dedent(CLIFF))
+    result = _run(project)
+    assert result.ret != 0
+    got = gates_of(project)
+    default, estimate, seeded = got["default"], got["estimate"], got["seeded"]
+    assert default["status"] == "failed" and default["value"] <= 0.0575, default
+    assert default["details"]["pgd_check"]["closer_than_estimate"] == 3
+    assert "certified (CROWN)" in default["summary"]
+    assert estimate["status"] == "failed" and estimate["value"] == 0.1  # above the threshold: failed by the check
+    assert "#0, #1, #2" in estimate["details"]["contradiction"]
+    assert estimate["details"]["pgd_check"]["closer_than_gated_first"] == [0, 1, 2]
+    assert "estimate (heuristic lower bound on Q ⇒ not a guarantee)" in estimate["summary"]
+    assert seeded["status"] == "passed" and seeded["value"] < 0.0575, seeded
+    result.stdout.fnmatch_lines(["*adversarial example (s < 0) closer than their gated radius*#0, #1, #2*"])
 
 
 RUN_ERRORS = [
@@ -140,6 +204,8 @@ RUN_ERRORS = [
     ("min_safe_radius(0.001, d=0.05, clip=(0, 0.5), iterations=2, data='small')",
      "*input value(s) lie outside the valid range clip=(0.0, 0.5)*Fix: give the range the data lives in*"),
     ("min_safe_radius(0.001, d=0.05, eps=2.0, iterations=2, data='small')", "*eps=2.0 exceeds 1*Fix: *"),
+    ("min_safe_radius(0.001, d=0.05, certified=False, iterations=2, data='small')",
+     "*statistic='certified' (the default) gates the certified radius, but certified=False*Fix: *"),
 ]
 
 
@@ -172,6 +238,8 @@ BAD_MARKERS = [
     ("min_safe_radius(0.01, d=0.1, clip=(1, 0))", "argument clip*low < high*"),
     ("min_safe_radius(-0.01, d=0.1)", "argument threshold*outside*"),
     ("min_safe_radius(0.01, d=0.1, radius=3)", "argument radius*unknown keyword*"),
+    ("min_safe_radius(0.01, d=0.1, statistic='upper')", "argument statistic*'upper' is not one of*"),
+    ("min_safe_radius(0.01, d=0.1, ascent_starts=-1)", "argument ascent_starts*outside*"),
 ]
 
 

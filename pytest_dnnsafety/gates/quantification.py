@@ -1,18 +1,22 @@
-"""Built-in gate family: DeepQuant safety quantification (``min_safe_radius``; seed 004, METRICS.md §11).
+"""Built-in gate family: DeepQuant safety quantification (``min_safe_radius``; Xu, Ruan, Huang et al., Theorem 1).
 
 The engine is :func:`~pytest_dnnsafety.engines.quantification.quantify_safety`: per input a
 safety expression ``s`` (a confidence interval, the uncertainty KL(uniform ‖ f), or the
-reachability of a label), a derivative-free pattern search (GPS or MADS polls, batched over
-inputs) for the Lipschitzian metric ``Q`` over the ball ``B(x, d, p) ∩ clip``, and the safe-radius
-*estimate* ``d' = s(x)/Q ≤ d``. The gate compares a lower quantile of the per-input estimates
-(``quantile=0``: the minimum) with the threshold, in input units.
+reachability of a label), a gradient-norm ascent and a derivative-free pattern search (GPS or
+MADS polls, batched over inputs) for the Lipschitzian metric ``Q`` over the ball
+``B(x, d, p) ∩ clip``, the safe-radius *estimate* ``d' = s(x)/Q ≤ d`` (Theorem 1), and the
+radius CROWN/IBP bounds *prove* (``certified``).
 
-The search finds a lower bound on ``Q``, so ``d'`` may overstate the true safe radius: it is an
-estimate, never a proof. Where the certified bounds cover the model (``certified=True``: CROWN;
-``"ibp"``: interval bounds), the details hold a *proved* lower bound on every input's L∞ safe
-radius beside it (the same quantile, the minimum and median); a model the bounds do not cover
-gives ``certified: None`` and the reason, not an error. The details list the worst inputs with
-the point ``x̂`` the search found. No torch import at module level.
+The gate compares a lower quantile (``quantile=0``: the minimum) of the per-input radii of the
+``statistic``: ``"certified"`` by default — sound: every input's ball of that radius is proved
+safe; a model the bounds do not cover makes the gate inconclusive (a fail naming the reason) —
+or ``"estimate"`` when the marker asks for it: the search finds a lower bound on ``Q``, so ``d'``
+may overstate the true safe radius; it is a heuristic, not a guarantee. Either way, every input
+is checked against the nearest adversarial example found (PGD on ``s`` with the gate's budget:
+``iterations`` steps, ``starts`` restarts, inside each claimed radius): one inside the gated
+radius fails the gate and names the input. The details say which statistic was gated, the PGD
+check's counts and the worst inputs with the point ``x̂`` the search found. No torch import at
+module level.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
@@ -32,13 +37,17 @@ EXPRESSION_NAMES = ("top_vs_runner_up", "top_vs_label", "top_vs_least", "uncerta
 
 
 def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """The ``quantile`` of the per-input safe-radius estimates d' = s(x)/Q (DeepQuant, Theorem 1)."""
+    """The ``quantile`` of the per-input certified radii (or, asked for, the estimates d' = s(x)/Q; Theorem 1)."""
     from ..engines.quantification import quantify_safety
     from ..outputs import eval_mode
 
     opts = spec.options
     certified = opts["certified"]
     method = "crown" if certified is True else (None if certified is False else certified)
+    if opts["statistic"] == "certified" and method is None:
+        raise ConfigError("@pytest.mark.min_safe_radius: statistic='certified' (the default) gates the certified "
+                          "radius, but certified=False turns it off. Fix: drop certified=False, or gate the heuristic "
+                          "estimate explicitly with statistic='estimate' (not a guarantee).")
     clip = None if opts["clip"] is None else (float(opts["clip"][0]), float(opts["clip"][1]))
     with eval_mode(fx["model"]):
         result = quantify_safety(
@@ -47,9 +56,10 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
             starts=opts["starts"], clip=clip, quantile=float(opts["quantile"]), certified=method,
             worst=opts["worst"], seed=ctx.seed, batch_size=ctx.batch_size, device=ctx.device,
             outputs=opts["outputs"], expansion=float(opts["expansion"]), contraction=float(opts["contraction"]),
-            mesh_tol=float(opts["mesh_tol"]), bisection_steps=opts["certified_steps"])
+            mesh_tol=float(opts["mesh_tol"]), bisection_steps=opts["certified_steps"], statistic=opts["statistic"],
+            ascent_steps=opts["ascent_steps"], ascent_starts=opts["ascent_starts"])
     return Measurement(value=result.value, detail=result.detail(), details=result.to_details(),
-                       contradiction=result.contradiction)
+                       inconclusive=result.inconclusive, contradiction=result.contradiction)
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -90,7 +100,7 @@ def _contraction(value: Any) -> str | None:
 
 MIN_SAFE_RADIUS = GateDef(
     marker="min_safe_radius",
-    metric="safe radius estimate",
+    metric="safe radius",
     op=">=",
     threshold_range=(0.0, math.inf),
     params=(
@@ -117,6 +127,13 @@ MIN_SAFE_RADIUS = GateDef(
               "give the inputs' valid range, e.g. clip=(0, 1), or None for no range"),
         Param("certified", (bool, str), True, _certified,
               "True (CROWN bounds), 'ibp' (interval bounds) or False (no certified radius)"),
+        Param("statistic", (str,), "certified", one_of("certified", "estimate"),
+              "use 'certified' (the radius the bounds prove, the default) or 'estimate' (the heuristic s(x)/Q, "
+              "not a guarantee)"),
+        Param("ascent_starts", (int,), 4, in_range(0, 64),
+              "give the gradient-norm ascents per input that seed Q, e.g. ascent_starts=4 (0: none)"),
+        Param("ascent_steps", (int,), 10, in_range(0, 10_000),
+              "give the steps of each gradient-norm ascent, e.g. ascent_steps=10"),
         Param("certified_steps", (int,), 10, in_range(0, 40),
               "give the bisection steps of the certified radius, e.g. certified_steps=10 (resolution d/1024)"),
         Param("worst", (int,), 5, in_range(0, 1000), "give how many of the worst inputs the details list"),
@@ -128,10 +145,11 @@ MIN_SAFE_RADIUS = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_safe_radius,
-    doc="fail unless the `quantile` (default: the minimum) of the per-input safe-radius estimates d' = s(x)/Q "
-        "reaches `threshold` (input units); Q is the Lipschitzian metric of the safety expression found by "
-        "pattern search over the ball of radius d (an estimate; certified L∞ radii beside it where the bounds "
-        "cover the model)",
+    doc="fail unless the `quantile` (default: the minimum) of the per-input safe radii reaches `threshold` "
+        "(input units): by default the radii CROWN/IBP prove (`statistic='certified'`), or with "
+        "`statistic='estimate'` DeepQuant's d' = s(x)/Q, Q the Lipschitz metric found by gradient-norm ascent "
+        "and pattern search (a heuristic, not a guarantee); every input is checked by PGD: an adversarial "
+        "example inside its gated radius fails the gate",
 )
 
 

@@ -1,0 +1,465 @@
+"""DeepQuant over a data set: :func:`quantify_safety` and its summary :class:`SafetyQuantification`.
+
+The gated per-input radius is the ``statistic``: ``"certified"`` (the default) — the radius
+CROWN/IBP *prove* (:func:`.certified.certified_radius`); ``"estimate"`` — DeepQuant's
+``d' = s(x)/Q`` (Theorem 1) with ``Q`` a *lower* bound found by search, a heuristic that may
+overstate the safe radius (it is a guarantee only if the optimisation is proven global, which a
+pattern search is not). Every input's estimate, and its gated radius, are checked against the
+nearest adversarial example found — PGD on ``s`` (:func:`.gradients.pgd_nearest_unsafe`) with
+the gate's budget (``iterations`` steps, ``starts`` restarts) inside the ball of each claimed
+radius, and the points the searches evaluated: an input with ``s < 0`` inside its gated radius is
+a contradiction (the gate fails and names the input).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import progress
+from ...data import iter_batches, known_length
+from ...errors import ConfigError, DataError, MetricError
+from ...outputs import ForwardGuard, model_dtype_device
+from .certified import certified_radius
+from .common import BOUND_METHODS, _check_choice, _check_expression, _check_int, _real, lp_norm
+from .gradients import pgd_nearest_unsafe
+from .search import LipschitzSearch, lipschitz_search
+
+__all__ = ["STATISTICS", "SafetyQuantification", "quantify_safety"]
+
+#: What the ``min_safe_radius`` gate compares: the proved radius, or the search's estimate (asked for explicitly).
+STATISTICS = ("certified", "estimate")
+#: How each statistic is named in every output.
+STATISTIC_LABELS = {"estimate": "estimate (heuristic lower bound on Q ⇒ not a guarantee)"}
+#: The PGD check runs inside this fraction of a claimed radius, so that a point it finds lies inside the ball
+#: whatever the rounding of x ± r.
+_INSIDE = 1 - 1e-5
+#: How many offending inputs the messages name.
+_NAMED = 5
+
+
+def _quantile(values: Tensor, q: float) -> float:
+    """The lower empirical ``q``-quantile (``q = 0``: the minimum) of the values that are not NaN."""
+    v = values[~torch.isnan(values)].sort().values
+    if v.numel() == 0:
+        return math.nan
+    return float(v[math.floor(q * (v.numel() - 1))])
+
+
+def _num(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _closer(unsafe: Tensor, radius: Tensor, applicable: Tensor, strict: bool) -> Tensor:
+    """Inputs with a point of ``s < 0`` inside their claimed (closed) ball of ``radius`` > 0.
+
+    ``strict`` (the certified radius): only points clearly inside, ``< r·(1 − 1e-6)``, so that the rounding of
+    ``x ± r`` is never taken for a contradiction; otherwise ``≤ r·(1 + 1e-6)``.
+    """
+    r = torch.nan_to_num(radius, nan=0.0)
+    inside = unsafe < r * (1 - 1e-6) if strict else unsafe <= r * (1 + 1e-6)
+    return inside & (r > 0) & applicable
+
+
+def _indices(mask: Tensor) -> list[int]:
+    return [int(i) for i in torch.nonzero(mask).squeeze(1)[:_NAMED]]
+
+
+@dataclass(frozen=True)
+class SafetyQuantification:
+    """DeepQuant over a data set (:func:`quantify_safety`): per-input CPU tensors and the gated value.
+
+    ``value``: the lower ``quantile`` (``quantile=0``: the minimum) of the applicable inputs'
+    gated radii (``statistic``: ``"certified"`` or ``"estimate"``; NaN when the certificate is
+    missing, ``inconclusive`` saying why). ``radius``: the estimates ``s(x)/Q``; ``certified``:
+    the certified L∞ radii (or None, ``certified_reason`` saying why); ``gated``: the radii
+    compared. ``unsafe_distance``: the nearest point with ``s < 0`` found by the pattern
+    search, the gradient ascent or the PGD check; ``pgd_distance``: the PGD check's alone.
+    ``worst``: JSON-able dicts of the inputs with the smallest gated radii; ``worst_points``:
+    ``(x, x̂)`` CPU tensor pairs for them.
+    """
+
+    value: float
+    quantile: float
+    n: int
+    s: Tensor
+    q: Tensor
+    radius: Tensor
+    iterations: Tensor
+    evaluations: Tensor
+    converged: Tensor
+    unsafe_distance: Tensor
+    linf_distance: Tensor
+    applicable: Tensor
+    outputs: str
+    settings: dict[str, Any]
+    worst: tuple[dict[str, Any], ...] = ()
+    worst_points: tuple[tuple[Tensor, Tensor], ...] = field(default=(), compare=False, repr=False)
+    certified: Tensor | None = None
+    certified_method: str | None = None
+    certified_reason: str | None = None
+    statistic: str = "certified"
+    q_ratio: Tensor | None = None
+    q_gradient: Tensor | None = None
+    pgd_distance: Tensor | None = None
+    pgd_reason: str | None = None
+
+    @property
+    def n_applicable(self) -> int:
+        return int(self.applicable.sum())
+
+    @property
+    def label(self) -> str:
+        """How the gated statistic is named: ``certified (CROWN)`` or ``estimate (heuristic …)``."""
+        if self.statistic == "certified":
+            return f"certified ({(self.certified_method or self.settings.get('certified') or 'crown').upper()})"
+        return STATISTIC_LABELS["estimate"]
+
+    @property
+    def estimate_value(self) -> float:
+        """The same quantile of the estimates ``s(x)/Q``."""
+        return _quantile(self.radius, self.quantile)
+
+    @property
+    def certified_value(self) -> float | None:
+        """The same quantile of the certified radii, or None without a certificate."""
+        if self.certified is None:
+            return None
+        return _quantile(self.certified, self.quantile)
+
+    @property
+    def gated(self) -> Tensor:
+        """The per-input radii the gate compares (NaN for all without a certificate when it is the statistic)."""
+        if self.statistic == "estimate":
+            return self.radius
+        return self.certified if self.certified is not None else torch.full_like(self.radius, math.nan)
+
+    @property
+    def inconclusive(self) -> str | None:
+        """Why nothing sound can be gated: the certified statistic without a certificate; or None."""
+        if self.statistic != "certified" or self.certified is not None:
+            return None
+        return (f"statistic='certified' (the default) needs a certified radius, but the bounds do not cover the "
+                f"model: {self.certified_reason}. Fix: make the model one the bounds cover (logits out, supported "
+                f"layers), or gate the heuristic estimate explicitly with statistic='estimate' (not a guarantee).")
+
+    @property
+    def closer_than_estimate(self) -> Tensor:
+        """Per input: an adversarial example (``s < 0``) was found inside the estimated safe radius."""
+        return _closer(self.unsafe_distance, self.radius, self.applicable, strict=False)
+
+    @property
+    def closer_than_gated(self) -> Tensor:
+        """Per input: an adversarial example was found inside the gated radius."""
+        if self.statistic == "estimate":
+            return self.closer_than_estimate
+        if self.certified is None:
+            return torch.zeros_like(self.applicable)
+        return _closer(self.unsafe_distance, self.certified, self.applicable, strict=True)
+
+    @property
+    def contradiction(self) -> str | None:
+        """Why the gated radius is refuted (an adversarial example inside it), or None."""
+        bad = self.closer_than_gated
+        if not bool(bad.any()):
+            return None
+        named = _indices(bad)
+        i = named[0]
+        count = int(bad.sum())
+        found = (f"{count} input(s) have an adversarial example (s < 0) closer than their gated radius, the first "
+                 f"{', '.join(f'#{j}' for j in named)}; input #{i}: s < 0 at {self.settings['norm']} distance "
+                 f"{float(self.unsafe_distance[i]):.6g}")
+        if self.statistic == "estimate":
+            return (f"{found} inside the estimated safe radius {float(self.radius[i]):.6g} (the estimate s(x)/Q is a "
+                    f"heuristic and is refuted there). Fix: gate the certified radius (statistic='certified', the "
+                    f"default), or raise iterations/starts/ascent_starts so that the search finds the steepness.")
+        return (f"{found} inside the certified radius {float(self.certified[i]):.6g} (unsound bounds: the traced "
+                f"graph does not compute what the model computes). Please report this with the model.")
+
+    def _what(self) -> str:
+        st = self.settings
+        label = f", label={st['label']}" if st["label"] is not None else ""
+        return f"{st['expression']}{label}, ε={st['eps']:g}, {st['norm']} d={st['d']:g}"
+
+    def _pgd_counts(self) -> dict[str, Any]:
+        ok = self.applicable
+        est, gated = self.closer_than_estimate, self.closer_than_gated
+        return {
+            "steps": self.settings.get("pgd_steps"), "restarts": self.settings.get("pgd_restarts"),
+            "checked": int(ok.sum()) if self.pgd_distance is not None else 0,
+            "found": int((torch.isfinite(self.pgd_distance) & ok).sum()) if self.pgd_distance is not None else 0,
+            "closer_than_gated": int(gated.sum()), "closer_than_gated_first": _indices(gated),
+            "closer_than_estimate": int(est.sum()), "closer_than_estimate_first": _indices(est),
+            "reason": self.pgd_reason,
+        }
+
+    def detail(self) -> str:
+        """``min safe radius, certified (CROWN) 0.0213 (…); estimate (heuristic …) min 0.03; PGD check: …``."""
+        st = self.settings
+        which = "min" if self.quantile == 0 else f"q{self.quantile:g}"
+        gated = "n/a" if math.isnan(self.value) else f"{self.value:.4g}"
+        text = (f"{which} safe radius, {self.label} {gated} ({self._what()}; {self.n_applicable}/{self.n} inputs, "
+                f"{st['method']} ≤{st['iterations']} it.)")
+        if self.statistic == "certified":
+            text += f"; {STATISTIC_LABELS['estimate']} {which} {self.estimate_value:.4g}"
+        elif self.certified is not None:
+            text += f"; certified ({(self.certified_method or '').upper()}) {which} {self.certified_value:.4g}"
+        pgd = self._pgd_counts()
+        if pgd["checked"]:
+            first = "".join(f" #{i}" for i in pgd["closer_than_gated_first"])
+            text += (f"; PGD check: {pgd['checked']} inputs, {pgd['closer_than_gated']} with an adversarial example "
+                     f"closer than the gated radius{':' + first if first else ''}")
+            if self.statistic == "certified":
+                text += f" ({pgd['closer_than_estimate']} closer than the estimate)"
+        else:
+            text += f"; PGD check not run ({self.pgd_reason})"
+        if self.worst:
+            w = self.worst[0]
+            text += f"; worst input #{w['index']}: s={w['s']:.3g}, Q≥{w['q']:.3g}"
+        return text
+
+    def to_details(self) -> dict[str, Any]:
+        """JSON-able details (plain str/int/float/bool/list/dict/None only)."""
+        ok = self.applicable
+        radius = self.radius[ok]
+        q = self.q[ok]
+        details: dict[str, Any] = {
+            "metric": f"safe_radius_{self.statistic}",
+            "statistic": self.statistic,
+            "statistic_label": self.label,
+            "value": _num(self.value),
+            "quantile": float(self.quantile),
+            "n": int(self.n),
+            "n_applicable": self.n_applicable,
+            "not_applicable": int(self.n - self.n_applicable),
+            "outputs": self.outputs,
+            "estimate": {
+                "value": _num(self.estimate_value),
+                "min": _num(float(radius.min())) if radius.numel() else None,
+                "median": _num(_quantile(radius, 0.5)),
+                "mean": _num(float(radius.mean())) if radius.numel() else None,
+                "max": _num(float(radius.max())) if radius.numel() else None,
+                "at_d": int((radius >= self.settings["d"]).sum()),
+                "note": "d' = s(x)/Q with Q a lower bound found by search: a heuristic that may overstate the true "
+                        "safe radius (a guarantee only if the optimisation were proven global)",
+            },
+            "lipschitz": {"max": _num(float(q.max())) if q.numel() else None, "median": _num(_quantile(q, 0.5))},
+            "pgd_check": self._pgd_counts(),
+            "unsafe_centres": int(((self.s < 0) & ok).sum()),
+            "unsafe_found": int((torch.isfinite(self.unsafe_distance) & ok).sum()),
+            "converged": int((self.converged & ok).sum()),
+            "iterations_mean": _num(float(self.iterations[ok].double().mean())) if radius.numel() else None,
+            "evaluations": int(self.evaluations.sum()),
+            "worst": [dict(w) for w in self.worst],
+            "settings": dict(self.settings),
+        }
+        for name, part in (("ratio_median", self.q_ratio), ("gradient_median", self.q_gradient)):
+            if part is not None:
+                details["lipschitz"][name] = _num(_quantile(part[ok], 0.5))
+        if self.certified is not None:
+            c = self.certified[ok]
+            details["certified"] = {
+                "method": self.certified_method, "norm": "linf", "value": _num(self.certified_value),
+                "min": _num(float(c.min())) if c.numel() else None, "median": _num(_quantile(c, 0.5)),
+                "note": "proved: s ≥ 0 on the whole L∞ ball of this radius ∩ clip (a lower bound on the safe "
+                        "radius; for l2/l1 balls too, which the L∞ ball contains)"}
+        else:
+            details["certified"] = None
+            details["certified_reason"] = self.certified_reason
+        return details
+
+
+def quantify_safety(
+    model: Any,
+    data: Any,
+    expression: str = "top_vs_runner_up",
+    *,
+    d: float,
+    label: int | None = None,
+    eps: float = 0.0,
+    norm: str = "linf",
+    method: str = "gps",
+    iterations: int = 100,
+    starts: int = 2,
+    clip: tuple[float, float] | None = (0.0, 1.0),
+    quantile: float = 0.0,
+    certified: str | None = "crown",
+    statistic: str = "certified",
+    worst: int = 5,
+    seed: int = 0,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+    outputs: str = "auto",
+    expansion: float = 1.3,
+    contraction: float = 0.8,
+    mesh_tol: float = 1e-5,
+    mesh_init: float = 1.0,
+    bisection_steps: int = 10,
+    max_batch: int = 8192,
+    ascent_steps: int = 10,
+    ascent_starts: int = 4,
+    pgd_check: bool = True,
+) -> SafetyQuantification:
+    """:func:`lipschitz_search` (and :func:`certified_radius` with ``certified="crown"``/``"ibp"``) over ``data``.
+
+    ``data``: anything :func:`~pytest_dnnsafety.data.iter_batches` reads (labels are not used).
+    Batches of ``batch_size`` inputs; each input's random draws are keyed by its index in the
+    data, so the batch size does not change the numbers. ``device`` is used only for a model
+    without parameters. The certificate's bounded model is built once; a model it does not
+    cover gives ``certified=None`` and the reason. ``statistic``: what ``value`` is — the
+    ``"certified"`` radii (the default; needs ``certified``) or the ``"estimate"``.
+    ``pgd_check``: run PGD on ``s`` (``iterations`` steps, ``starts`` restarts) inside each
+    input's estimated radius and, when the certificate is gated, its certified radius.
+    """
+    from ..robustness.bounds import BoundedModel, UnsupportedLayerError
+
+    if not _real(quantile) or not 0 <= quantile <= 1:
+        raise ConfigError(f"quantile={quantile!r} is not in [0, 1]. Fix: 0 gates the minimum, 0.05 the 5% quantile.")
+    worst = _check_int("worst", worst, 0)
+    batch_size = _check_int("batch_size", batch_size, 1)
+    statistic = _check_choice("statistic", statistic, STATISTICS,
+                              "use 'certified' (the proved radius, the default) or 'estimate' (the heuristic).")
+    if certified is not None:
+        certified = _check_choice("certified", certified, BOUND_METHODS, "use 'crown', 'ibp' or None.")
+    elif statistic == "certified":
+        raise ConfigError("statistic='certified' needs a certified radius, but certified is off (certified=False/"
+                          "None). Fix: keep certified=True (CROWN) or 'ibp', or gate the heuristic estimate "
+                          "explicitly with statistic='estimate'.")
+    _check_expression(expression, label, eps)
+    _, model_device = model_dtype_device(model)
+    target = model_device or torch.device(device)
+    guard = ForwardGuard("min_safe_radius: model on the pattern search's points")
+    bounded, reason = None, None
+    if certified is not None:
+        try:
+            bounded = BoundedModel(model)
+        except UnsupportedLayerError as exc:
+            reason = str(exc)
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("s", "q", "radius", "iterations", "evaluations", "converged",
+                                                      "unsafe", "linf", "applicable", "certified", "q_ratio",
+                                                      "q_gradient", "pgd")}
+    kept: dict[str, Tensor] | None = None
+    outputs_seen, settings = outputs, {}
+    pgd_reason: str | None = None if pgd_check else "pgd_check=False"
+    total, done = known_length(data) or 0, 0
+    for x, _ in iter_batches(data, batch_size):
+        x = torch.as_tensor(x).to(target, non_blocking=target.type != "cpu")
+        res = lipschitz_search(model, x, expression, d=d, label=label, eps=eps, norm=norm, method=method,
+                               iterations=iterations, starts=starts, clip=clip, seed=seed, index_offset=done,
+                               expansion=expansion, contraction=contraction, mesh_tol=mesh_tol, mesh_init=mesh_init,
+                               outputs=outputs_seen, guard=guard, max_batch=max_batch, ascent_steps=ascent_steps,
+                               ascent_starts=ascent_starts)
+        outputs_seen, settings = res.outputs, res.settings  # detected once, on the first batch
+        cert = None
+        if bounded is not None:
+            cert, why = certified_radius(model, x, expression, d=d, label=label, eps=eps, clip=clip,
+                                         method=certified, steps=bisection_steps, outputs=outputs_seen,
+                                         bounded=bounded)
+            if cert is None:
+                bounded, reason = None, why
+                parts["certified"] = []
+        xin = x.to(res.x_hat.dtype)
+        unsafe, pgd = res.unsafe_distance, torch.full_like(res.s, math.inf)
+        if pgd_reason is None:
+            # PGD inside the estimated radius and, when it is gated, the certified one (one batch of 2N rows)
+            claims = [res.radius] + ([cert] if statistic == "certified" and cert is not None else [])
+            radii = torch.nan_to_num(torch.cat(claims), nan=0.0) * _INSIDE
+            k = len(claims)
+            found = pgd_nearest_unsafe(
+                model, xin.repeat(k, *(1,) * (xin.ndim - 1)), settings["expression"], settings["eps"], outputs_seen,
+                res.top.repeat(k), res.other.repeat(k), radii, norm=norm, clip=settings["clip"] and tuple(
+                    settings["clip"]), steps=iterations, restarts=starts, seed=seed,
+                index=torch.arange(done, done + x.shape[0], device=xin.device).repeat(k), max_batch=max_batch,
+                guard=guard)
+            if found is None:
+                pgd_reason = "the model gives no input gradient"
+            else:
+                pgd = found[0].reshape(k, -1).amin(dim=0)
+                pgd = torch.where(res.applicable, pgd, torch.full_like(pgd, math.inf))
+                unsafe = torch.minimum(unsafe, pgd)
+        linf = (res.x_hat - xin).flatten(1).abs().amax(dim=1).to(torch.float64)
+        for key, value in (("s", res.s), ("q", res.q), ("radius", res.radius), ("iterations", res.iterations),
+                           ("evaluations", res.evaluations), ("converged", res.converged), ("unsafe", unsafe),
+                           ("linf", linf), ("applicable", res.applicable), ("q_ratio", res.q_ratio),
+                           ("q_gradient", res.q_gradient), ("pgd", pgd)):
+            parts[key].append(value)
+        if cert is not None:
+            parts["certified"].append(cert)
+        if worst:
+            key = cert if statistic == "certified" and cert is not None else res.radius
+            kept = _keep_worst(kept, res, key, cert, unsafe, xin, linf, done, worst)
+        done += int(x.shape[0])
+        progress.tick(done, total, "inputs")
+    if done == 0:
+        raise DataError("min_safe_radius: the data set is empty. Fix: give at least one input.")
+    cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
+    applicable = cat["applicable"]
+    if not bool(applicable.any()):
+        raise MetricError(f"min_safe_radius: the expression {expression!r} applies to no input: every input's top "
+                          f"class is the other class (label={label!r}). Fix: pick another label, or use "
+                          f"expression='top_vs_runner_up'.")
+    cert_all = cat.get("certified") if bounded is not None else None
+    if statistic == "estimate":
+        value = _quantile(cat["radius"], float(quantile))
+    else:
+        value = math.nan if cert_all is None else _quantile(cert_all, float(quantile))
+    listed, points = _worst_list(kept, norm, cert_all is not None)
+    settings = {**settings, "statistic": statistic, "certified": certified, "pgd_steps": iterations,
+                "pgd_restarts": starts}
+    return SafetyQuantification(
+        value=value, quantile=float(quantile), n=done, s=cat["s"], q=cat["q"], radius=cat["radius"],
+        iterations=cat["iterations"], evaluations=cat["evaluations"], converged=cat["converged"],
+        unsafe_distance=cat["unsafe"], linf_distance=cat["linf"], applicable=applicable, outputs=outputs_seen,
+        settings=settings, worst=listed, worst_points=points, certified=cert_all,
+        certified_method=certified if cert_all is not None else None,
+        certified_reason=None if cert_all is not None else (reason or "not requested (certified=False)"),
+        statistic=statistic, q_ratio=cat["q_ratio"], q_gradient=cat["q_gradient"],
+        pgd_distance=cat["pgd"] if pgd_reason is None else None, pgd_reason=pgd_reason)
+
+
+def _keep_worst(kept: dict[str, Tensor] | None, res: LipschitzSearch, gated: Tensor, cert: Tensor | None,
+                unsafe: Tensor, x: Tensor, linf: Tensor, offset: int, k: int) -> dict[str, Tensor]:
+    """The running ``k`` inputs with the smallest gated radii (ties by index), merged on the device."""
+    n = res.s.shape[0]
+    key = torch.where(res.applicable, torch.nan_to_num(gated, nan=math.inf), torch.full_like(res.radius, math.inf))
+    batch = {"key": key, "index": torch.arange(offset, offset + n, device=key.device), "s": res.s, "q": res.q,
+             "estimate": res.radius, "s_hat": res.s_hat, "iterations": res.iterations, "linf": linf,
+             "dist": lp_norm((res.x_hat - x).flatten(1).to(torch.float64), res.settings["norm"]),
+             "unsafe": unsafe, "applicable": res.applicable,
+             "certified": cert if cert is not None else torch.full_like(key, math.nan),
+             "x": x, "x_hat": res.x_hat}
+    if kept is not None:
+        batch = {name: torch.cat([kept[name], value]) for name, value in batch.items()}
+    order = torch.sort(batch["key"], stable=True).indices[:k]
+    return {name: value[order] for name, value in batch.items()}
+
+
+def _worst_list(kept: dict[str, Tensor] | None, norm: str,
+                with_cert: bool) -> tuple[tuple[dict[str, Any], ...], tuple[tuple[Tensor, Tensor], ...]]:
+    if kept is None:
+        return (), ()
+    rows = {k: v.cpu() for k, v in kept.items()}
+    listed, points = [], []
+    for i in range(rows["key"].shape[0]):
+        if not bool(rows["applicable"][i]):
+            continue
+        entry: dict[str, Any] = {
+            "index": int(rows["index"][i]), "s": float(rows["s"][i]), "q": float(rows["q"][i]),
+            "estimate": float(rows["estimate"][i]), "gated": _num(float(rows["key"][i])),
+            "s_hat": float(rows["s_hat"][i]),
+            "linf_distance": float(rows["linf"][i]), f"{norm}_distance": float(rows["dist"][i]),
+            "iterations": int(rows["iterations"][i]),
+            "unsafe_distance": _num(float(rows["unsafe"][i])),
+        }
+        if with_cert:
+            entry["certified"] = _num(float(rows["certified"][i]))
+        x_hat = rows["x_hat"][i]
+        if x_hat.numel() <= 4096:
+            entry["x_hat"] = [round(float(v), 6) for v in x_hat.reshape(-1).tolist()]
+        listed.append(entry)
+        points.append((rows["x"][i], x_hat))
+    return tuple(listed), tuple(points)
