@@ -396,6 +396,7 @@ def quantify_safety(
         progress.tick(done, total, "inputs")
     if done == 0:
         raise DataError("min_safe_radius: the data set is empty. Fix: give at least one input.")
+    guard.check()  # the PGD check's forward passes too
     cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
     applicable = cat["applicable"]
     if not bool(applicable.any()):
