@@ -11,7 +11,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Measurement", "GateResult", "STATUSES", "format_number", "format_numbers"]
+__all__ = ["Measurement", "GateResult", "STATUSES", "ESTIMATE_SUFFIX", "format_number", "format_numbers"]
+
+#: Appended to a result's ``metric`` when the compared number is an estimate, not a bound.
+ESTIMATE_SUFFIX = " (estimate, not a guarantee)"
 
 #: The verdicts of a gate; only ``passed`` passes.
 #:
@@ -120,6 +123,20 @@ class GateResult:
     def compared(self) -> float | None:
         """The number compared with the threshold: the bound when there is one."""
         return self.bound if self.bound is not None else self.value
+
+    @property
+    def is_estimate(self) -> bool:
+        """The compared number is an estimate the user asked for by name, not a sound bound.
+
+        A gate says so with ``details["statistic"] = "estimate"`` (e.g. ``min_safe_radius(statistic="estimate")``);
+        every report then labels it (:attr:`label`, and ``metric`` gets :data:`ESTIMATE_SUFFIX`).
+        """
+        return self.details.get("statistic") == "estimate"
+
+    @property
+    def label(self) -> str:
+        """The marker as reports show it: ``min_safe_radius (estimate)`` for an estimate."""
+        return f"{self.marker} (estimate)" if self.is_estimate else self.marker
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

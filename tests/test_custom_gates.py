@@ -501,3 +501,36 @@ def test_each_measure_runs_inside_progress_active(monkeypatch: pytest.MonkeyPatc
     spec = parse_marker("min_thing", (0.5,), {}, "t.py::test", registry)
     evaluate(spec, {}, Settings(cli={}, ini=lambda name: "", env={}), "t.py::test", writer=print)
     assert seen == [("min_thing", 0, True)]
+
+
+ESTIMATE_GATE = '''
+import pytest
+from pytest_dnnsafety import GateDef, Measurement, Param, hookimpl
+
+
+def _measure(spec, fx, ctx):
+    return Measurement(0.5, detail="a point estimate", details={"statistic": spec.options["statistic"]})
+
+
+@hookimpl
+def pytest_dnnsafety_register_gates(registry):
+    registry.add(GateDef(
+        marker="min_guess", metric="guessed margin", op=">=", threshold_range=(0.0, 1.0),
+        params=(Param("statistic", (str,), "bound", None, "bound or estimate"),),
+        fixtures={}, measure=_measure, doc="a gate that may report an estimate"))
+'''
+
+
+def test_an_estimate_is_labelled_in_every_report(gate_project: GateProject) -> None:
+    """A gate whose details say ``statistic="estimate"`` is labelled so in the terminal, JSON and summary line."""
+    gate_project.write("conftest.py", ESTIMATE_GATE)
+    gate_project.tests("import pytest\n\n"
+                       "@pytest.mark.min_guess(0.9, statistic='estimate')\ndef test_estimate():\n    pass\n\n"
+                       "@pytest.mark.min_guess(0.1)\ndef test_bound():\n    pass\n")
+    result = gate_project.run("--dnnsafety-json=evidence.json")
+    result.stdout.fnmatch_lines(["*test_estimate*min_guess (estimate)*FAIL*",
+                                 "*0.500 (estimate) < 0.900*"])
+    gates = {g["nodeid"].rsplit("::", 1)[-1]: g for g in
+             json.loads((gate_project.pytester.path / "evidence.json").read_text())["gates"]}
+    assert gates["test_estimate"]["metric"] == "guessed margin (estimate, not a guarantee)"
+    assert gates["test_bound"]["metric"] == "guessed margin"

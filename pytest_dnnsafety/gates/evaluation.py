@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from .. import progress
 from ..config import Settings
 from ..errors import DnnSafetyError, MetricError
-from ..results import GateResult, format_numbers
+from ..results import ESTIMATE_SUFFIX, GateResult, format_numbers
 from .core import COMMON_SETTINGS, GateContext, GateSpec
 
 __all__ = ["ImportClock", "context_for", "evaluate", "progress_writer"]
@@ -151,9 +151,13 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     ok = compared is not None and (compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold)
     shown_op = gate.op if ok else ("<" if gate.op == ">=" else ">")
     label = "" if measurement.bound is None else " (bound)"
+    if measurement.details.get("statistic") == "estimate":
+        label += " (estimate)"
     result.value = value
     result.bound = bound
     result.details = dict(measurement.details)
+    if result.is_estimate:  # an estimate the marker asked for: labelled in every report
+        result.metric += ESTIMATE_SUFFIX
     notes = sorted({str(w.message) for w in caught})
     if notes:
         result.details["warnings"] = notes

@@ -81,7 +81,7 @@ def step_summary(rows: Sequence[GateResult], env: Mapping[str, Any]) -> str:
             verdict = f"**{verdict}**"
         value, bound, limit = format_numbers(r.value, r.bound, r.threshold)  # differing numbers print differently
         threshold = f"{'≥' if r.op == '>=' else '≤'} {limit}"
-        cells = [_code(r.nodeid), _code(r.marker), value, bound, threshold, verdict]
+        cells = [_code(r.nodeid), _code(r.label), value, bound, threshold, verdict]
         if with_change:
             cells.append(_cell(_change(comparison if isinstance(comparison, dict) else None)))
         lines.append("| " + " | ".join(cells) + " |")

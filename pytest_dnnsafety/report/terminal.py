@@ -80,7 +80,7 @@ def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[
         value, bound, limit = format_numbers(r.value, r.bound, r.threshold)
         threshold = f"{'≥' if r.op == '>=' else '≤'} {limit}"
         path, _, name = r.nodeid.partition("::")
-        row: tuple[str, ...] = ("  " + (name or path), r.marker, value, bound, threshold)
+        row: tuple[str, ...] = ("  " + (name or path), r.label, value, bound, threshold)
         row += (change_cell(_baseline(r)), verdict) if with_change else (verdict,)
         cells.append((path, row, markup))
     fixed = [max(len(head[i]), *(len(row[i]) for _, row, _ in cells)) for i in range(1, n)]
