@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from pytest_dnnsafety.config import SETTINGS
 from pytest_dnnsafety.engines.reliability import assess_reliability
 from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES, QueryCapError
 from pytest_dnnsafety.errors import ConfigError
-from _reliability import _quiet, _truth
+from _reliability import _quiet, _truth, write_pmi_project
 
 UNIT_BOX = ([0.0, 0.0], [1.0, 1.0])
 GRID = dict(eps=0.1, box=UNIT_BOX, bootstrap=5)  # 100 cells
@@ -105,34 +104,12 @@ def test_adaptive_without_budget_or_target_takes_the_uniform_budget() -> None:
     assert result.model_queries <= 200 * 100
 
 
-CONFTEST = """
-import pytest
-import torch
-
-
-class Threshold(torch.nn.Module):
-    def forward(self, x):
-        return torch.stack([0.52 - x[:, 0], x[:, 0] - 0.52], dim=1)
-
-
-@pytest.fixture(scope="session")
-def model():
-    return Threshold()
-"""
-
 MARKER = 'eps=0.05, box=[[0, 0], [1, 1]], bootstrap=5, accept_violated_assumptions=True, empty_cell_label="nearest"'
 
 
 @pytest.fixture
 def pmi_project(gate_project: GateProject) -> GateProject:
-    gen = np.random.default_rng(0)
-    x_op = gen.random((400, 2)).astype(np.float32)
-    x_lab = gen.random((300, 2)).astype(np.float32)
-    np.savez(gate_project.pytester.path / "operation.npz", x=x_op)
-    np.savez(gate_project.pytester.path / "labelled.npz", x=x_lab, y=(x_lab[:, 0] > 0.5).astype(np.int64))
-    gate_project.ini.update({"dnnsafety_operational_data": "operation.npz", "dnnsafety_data": "labelled.npz"})
-    gate_project.write("conftest.py", CONFTEST)
-    return gate_project
+    return write_pmi_project(gate_project)
 
 
 def _gates(project: GateProject) -> dict:

@@ -19,7 +19,7 @@ from pytest_dnnsafety.engines.reliability import (
 )
 from pytest_dnnsafety.engines.reliability.allocation import CLEAN, FAILING, plan_adaptive
 from pytest_dnnsafety.errors import ConfigError, DataError
-from _reliability import _quiet, _truth
+from _reliability import THRESHOLD_CONFTEST, _quiet, _truth, write_pmi_project
 
 UNIT_BOX = ([0.0, 0.0], [1.0, 1.0])
 
@@ -265,20 +265,7 @@ def test_bad_options_are_rejected_with_the_fix() -> None:
 
 
 # ====================================================================== the gate
-CONFTEST = """
-import pytest
-import torch
-
-
-class Threshold(torch.nn.Module):
-    def forward(self, x):
-        return torch.stack([0.52 - x[:, 0], x[:, 0] - 0.52], dim=1)
-
-
-@pytest.fixture(scope="session")
-def model():
-    return Threshold()
-
+CONFTEST = THRESHOLD_CONFTEST + """
 
 @pytest.fixture(scope="session")
 def wrong_model():
@@ -288,14 +275,7 @@ def wrong_model():
 
 @pytest.fixture
 def pmi_project(gate_project: GateProject) -> GateProject:
-    gen = np.random.default_rng(0)
-    x_op = gen.random((400, 2)).astype(np.float32)
-    x_lab = gen.random((300, 2)).astype(np.float32)
-    np.savez(gate_project.pytester.path / "operation.npz", x=x_op)
-    np.savez(gate_project.pytester.path / "labelled.npz", x=x_lab, y=(x_lab[:, 0] > 0.5).astype(np.int64))
-    gate_project.ini.update({"dnnsafety_operational_data": "operation.npz", "dnnsafety_data": "labelled.npz"})
-    gate_project.write("conftest.py", CONFTEST)
-    return gate_project
+    return write_pmi_project(gate_project, CONFTEST)
 
 
 def test_gate_with_adaptive_allocation(pmi_project: GateProject) -> None:
