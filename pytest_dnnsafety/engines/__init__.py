@@ -17,10 +17,13 @@ from pytest_dnnsafety.engines.scenario import (
     ScenarioCoverageEngine,
     ScenarioCoverageOutput,
 )
+from pytest_dnnsafety.engines.states import TopK, topk
 
 __all__ = [
     "Engine",
     "Reduce",
+    "TopK",
+    "topk",
     "MAX_CELLS",
     "ProjectionLayout",
     "ScenarioCoverageEngine",

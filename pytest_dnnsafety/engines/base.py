@@ -1,7 +1,9 @@
 """The engine protocol shared by every metric engine (torchmetrics-style, pure torch).
 
 An engine owns a few *state tensors*, each with a reduce rule that says how two partial
-states combine (``sum``, ``max``, ``min``, ``or``, ``and``). Work is split freely:
+states combine: element-wise (``sum``, ``max``, ``min``, ``or``, ``and``), or as rows that
+accumulate along dim 0 (``cat``: every row; ``topk(k, key)``: the k best rows; see
+:mod:`pytest_dnnsafety.engines.states`). Work is split freely:
 
 * ``update(...)`` folds a batch into the states, on the engine's device, without syncing to
   the host, so it can sit inside a data-loader loop;
@@ -21,15 +23,24 @@ import abc
 import base64
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Engine", "Reduce", "PAYLOAD_VERSION"]
+from pytest_dnnsafety.engines.states import (
+    TopK,
+    all_gather_rows,
+    check_row_default,
+    check_rows,
+    prune_topk,
+    topk,
+)
 
-Reduce = Literal["sum", "max", "min", "or", "and"]
+__all__ = ["Engine", "Reduce", "PAYLOAD_VERSION", "TopK", "topk"]
+
+Reduce = Literal["sum", "max", "min", "or", "and", "cat"]
 _REDUCES: tuple[str, ...] = ("sum", "max", "min", "or", "and")
 
 #: Version of the layout written by :meth:`Engine.state_payload`.
@@ -140,13 +151,17 @@ class Engine(abc.ABC):
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device: torch.device = torch.device("cpu") if device is None else torch.device(device)
         self._defaults: dict[str, Tensor] = {}
-        self._reductions: dict[str, str] = {}
+        self._reductions: dict[str, str | TopK] = {}
+        self._row_chunks: dict[str, list[Tensor]] = {}  # cat states: appended chunks, joined when read
 
     # ------------------------------------------------------------------ states
-    def add_state(self, name: str, default: Tensor, reduce: Reduce) -> None:
+    def add_state(self, name: str, default: Tensor, reduce: Reduce | TopK) -> None:
         """Register a state tensor ``name`` with its default value and its reduce rule.
 
-        ``or`` and ``and`` states must hold booleans or 0/1 integers.
+        ``or`` and ``and`` states must hold booleans or 0/1 integers. ``cat`` and
+        :func:`~pytest_dnnsafety.engines.states.topk` states hold rows: their default is an
+        empty tensor of shape ``(0, *row_shape)`` (``(0, d)`` for topk) whose dtype the rows
+        keep, and :meth:`append_state` adds rows to them.
         """
         if not name.isidentifier() or name.startswith("_"):
             raise ValueError(f"state name {name!r} must be a public Python identifier")
@@ -154,14 +169,70 @@ class Engine(abc.ABC):
             raise ValueError(f"state {name!r} is already defined on {type(self).__name__}")
         if not isinstance(default, Tensor):
             raise TypeError(f"state {name!r}: default must be a torch.Tensor, got {type(default).__name__}")
-        if reduce not in _REDUCES:
-            raise ValueError(f"state {name!r}: reduce must be one of {list(_REDUCES)}, got {reduce!r}")
+        if not isinstance(reduce, TopK) and reduce not in (*_REDUCES, "cat"):
+            raise ValueError(
+                f"state {name!r}: reduce must be one of {[*_REDUCES, 'cat']} or topk(k, key), got {reduce!r}"
+            )
         if reduce in ("or", "and") and (default.dtype.is_floating_point or default.dtype.is_complex):
             raise ValueError(f"state {name!r}: reduce {reduce!r} needs a bool or integer tensor, got {default.dtype}")
+        if reduce == "cat" or isinstance(reduce, TopK):
+            check_row_default(name, default, reduce)
         _dtype_name(default.dtype)
         self._defaults[name] = default.detach().clone().cpu()
         self._reductions[name] = reduce
-        setattr(self, name, default.detach().clone().to(self.device))
+        if reduce == "cat":
+            self._row_chunks[name] = []
+        else:
+            setattr(self, name, default.detach().clone().to(self.device))
+
+    def append_state(self, name: str, rows: Tensor) -> None:
+        """Add ``rows`` (shape ``(n, *row_shape)``) to the ``cat`` or ``topk`` state ``name``.
+
+        The rows are moved to the engine's device and cast to the state's dtype. A ``cat``
+        state keeps them as a chunk (joined when the state is read); a ``topk`` state is pruned
+        back to ``k`` rows on the device. Neither syncs to the host.
+        """
+        rule = self._reductions.get(name)
+        if rule != "cat" and not isinstance(rule, TopK):
+            kinds = sorted(n for n, r in self._reductions.items() if r == "cat" or isinstance(r, TopK))
+            raise ValueError(
+                f"append_state: {name!r} is not a cat or topk state of {type(self).__name__}; "
+                f"its row states are {kinds}"
+            )
+        default = self._defaults[name]
+        check_rows(name, rows, default)
+        rows = rows.detach().to(device=self.device, dtype=default.dtype)
+        if rule == "cat":
+            self._row_chunks[name].append(rows)
+        else:
+            assert isinstance(rule, TopK)
+            current = cast(Tensor, getattr(self, name))
+            setattr(self, name, prune_topk(torch.cat([current, rows]), rule))
+
+    def _read_rows(self, name: str) -> Tensor:
+        """A cat state's rows: its chunks joined into one (kept, so the next read is free)."""
+        chunks = self._row_chunks[name]
+        if not chunks:
+            return self._defaults[name].to(self.device, copy=True)
+        if len(chunks) > 1:
+            chunks[:] = [torch.cat(chunks)]
+        return chunks[0]
+
+    if not TYPE_CHECKING:  # hidden from type checkers, so that misspelt attributes still get flagged
+
+        def __getattr__(self, name: str) -> Any:
+            chunks = self.__dict__.get("_row_chunks")
+            if chunks is not None and name in chunks:
+                return self._read_rows(name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        chunks = self.__dict__.get("_row_chunks")
+        if chunks and name in chunks:  # assigning a cat state replaces its rows
+            check_rows(name, value, self._defaults[name])
+            chunks[name] = [value]
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -193,13 +264,19 @@ class Engine(abc.ABC):
     def reset(self) -> None:
         """Put every state back to its default, on the engine's device."""
         for name, default in self._defaults.items():
-            setattr(self, name, default.clone().to(self.device))
+            if name in self._row_chunks:
+                self._row_chunks[name] = []
+            else:
+                setattr(self, name, default.clone().to(self.device))
 
     def to(self: _E, device: torch.device | str) -> _E:
         """Move the states (and subclass buffers, see :meth:`_move_buffers`) to ``device``."""
         self.device = torch.device(device)
         for name in self._defaults:
-            setattr(self, name, cast(Tensor, getattr(self, name)).to(self.device))
+            if name in self._row_chunks:
+                self._row_chunks[name] = [chunk.to(self.device) for chunk in self._row_chunks[name]]
+            else:
+                setattr(self, name, cast(Tensor, getattr(self, name)).to(self.device))
         self._move_buffers(self.device)
         return self
 
@@ -221,7 +298,8 @@ class Engine(abc.ABC):
                 )
         for name in self._defaults:
             a, b = cast(Tensor, getattr(self, name)), cast(Tensor, getattr(other, name))
-            if a.shape != b.shape or a.dtype != b.dtype:
+            rows = name in self._row_chunks or isinstance(self._reductions[name], TopK)
+            if (a.shape[1:] if rows else a.shape) != (b.shape[1:] if rows else b.shape) or a.dtype != b.dtype:
                 raise ValueError(
                     f"cannot merge {type(self).__name__} engines: state {name!r} is {tuple(a.shape)}/{a.dtype} "
                     f"here and {tuple(b.shape)}/{b.dtype} there"
@@ -230,19 +308,29 @@ class Engine(abc.ABC):
     def merge(self: _E, other: Engine) -> _E:
         """Combine ``other``'s states into this engine's (state-wise reduce) and return ``self``.
 
-        Raises ``ValueError`` naming the difference when the classes or configurations differ.
+        ``cat`` states concatenate (this engine's rows, then ``other``'s); ``topk`` states
+        concatenate and prune back to ``k``. Raises ``ValueError`` naming the difference when
+        the classes or configurations differ.
         """
         self._check_compatible(other)
         for name, rule in self._reductions.items():
+            if rule == "cat":
+                self._row_chunks[name].extend([chunk.to(self.device) for chunk in other._row_chunks[name]])
+                continue
             mine = cast(Tensor, getattr(self, name))
             theirs = cast(Tensor, getattr(other, name)).to(mine.device)
-            setattr(self, name, _reduce_pair(mine, theirs, rule))
+            if isinstance(rule, TopK):
+                setattr(self, name, prune_topk(torch.cat([mine, theirs]), rule))
+            else:
+                setattr(self, name, _reduce_pair(mine, theirs, rule))
         return self
 
     def sync(self: _E, group: Any = None) -> _E:
         """All-reduce every state over ``torch.distributed`` (a no-op when it is not initialised).
 
         ``sum``→SUM, ``max``→MAX, ``min``→MIN, ``or``→MAX and ``and``→MIN (booleans travel as uint8).
+        ``cat`` states all-gather the ranks' rows (any number per rank, none included) and
+        concatenate them in rank order; ``topk`` states all-gather and prune back to ``k``.
         Every rank must call it, with the same states in the same order.
         """
         dist = torch.distributed
@@ -257,6 +345,10 @@ class Engine(abc.ABC):
         }
         for name, rule in self._reductions.items():
             state = cast(Tensor, getattr(self, name))
+            if rule == "cat" or isinstance(rule, TopK):
+                joined = all_gather_rows(state, group)
+                setattr(self, name, prune_topk(joined, rule) if isinstance(rule, TopK) else joined)
+                continue
             buffer = state.to(torch.uint8) if state.dtype == torch.bool else state.clone()
             dist.all_reduce(buffer, op=ops[rule], group=group)
             setattr(self, name, buffer.to(state.dtype) if state.dtype == torch.bool else buffer)
@@ -303,7 +395,21 @@ class Engine(abc.ABC):
         for state_name in engine.state_names:
             value = _decode_tensor(states[state_name], state_name)
             current = cast(Tensor, getattr(engine, state_name))
-            if value.shape != current.shape or value.dtype != current.dtype:
+            rule = engine._reductions[state_name]
+            if rule == "cat" or isinstance(rule, TopK):
+                if value.dim() != current.dim() or value.shape[1:] != current.shape[1:] or value.dtype != current.dtype:
+                    raise ValueError(
+                        f"engine payload state {state_name!r} is {tuple(value.shape)}/{value.dtype}, expected rows "
+                        f"(n, {', '.join(str(s) for s in current.shape[1:])})/{current.dtype}"
+                    )
+                if isinstance(rule, TopK):
+                    if value.shape[0] > rule.k:
+                        raise ValueError(
+                            f"engine payload state {state_name!r} has {value.shape[0]} rows; its rule {rule} keeps "
+                            f"at most {rule.k}"
+                        )
+                    value = prune_topk(value, rule)
+            elif value.shape != current.shape or value.dtype != current.dtype:
                 raise ValueError(
                     f"engine payload state {state_name!r} is {tuple(value.shape)}/{value.dtype}, "
                     f"expected {tuple(current.shape)}/{current.dtype}"
