@@ -1,4 +1,4 @@
-"""DeepInspect engine (METRICS §10; Tian et al., ICSE 2020) against a direct implementation with Python loops.
+"""DeepInspect engine (Tian et al., ICSE 2020) against a direct implementation with Python loops.
 
 The reference below follows §10 (and the authors' ``reproduce/util.py``) literally: p(n|k) by counting,
 NAPVD pair by pair over the units either class uses, bias triplet by triplet with the cutoff, the distance

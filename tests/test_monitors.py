@@ -1,4 +1,4 @@
-"""Runtime safety monitors (METRICS.md §9): every monitor against a direct reference on small cases.
+"""Runtime safety monitors (Ferreira et al.): every monitor against a direct reference on small cases.
 
 References written here: MSP/energy/ODIN by hand formulas (ODIN by a per-input autograd loop), Mahalanobis by
 numpy (explicit per-class loop, ``np.linalg.pinv``), outside-the-box by per-class / per-box Python loops,

@@ -1,4 +1,4 @@
-"""The occlusion engine (M_interpret, M_OccSen; Cheng et al. 2018, §II-F/G, eq. 5; METRICS.md §6).
+"""The occlusion engine (M_interpret, M_OccSen; Cheng et al. 2018, §II-F/G, eq. 5).
 
 The paper's worked example through the engine's set computation; heat maps against a
 per-position Python loop (bitwise on a float64 model with dyadic weights, where every sum is

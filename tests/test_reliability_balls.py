@@ -1,4 +1,4 @@
-"""Tests of norm-ball cells around operational inputs (``assess_reliability(cells="balls")``, METRICS.md §8)."""
+"""Tests of norm-ball cells around operational inputs (``assess_reliability(cells="balls")``, Zhao et al. 2021, §IV)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """DeepInspect: class-level confusion and bias from neuron activation probabilities.
 
 Tian, Zhong, Ray, Yang (2020), *Testing DNN Image Classifiers for Confusion & Bias Errors*, ICSE 2020
-(the seed text lost its equations; the definitions below are METRICS.md §10, which restates them as
-the authors' code — ``ARiSE-Lab/DeepInspect``, ``torchncoverage.py``, ``*_deepinspect.py`` and
+(the paper's text states the definitions loosely; those below are as the authors' code — ``ARiSE-Lab/DeepInspect``, ``torchncoverage.py``, ``*_deepinspect.py`` and
 ``reproduce/util.py`` — computes them).
 
-**Activity** (§10). For one input, a layer's output (the module's output, before any BN/ReLU that
+**Activity**. For one input, a layer's output (the module's output, before any BN/ReLU that
 follows as a separate module) is min–max scaled over the *whole* layer tensor of that input; a
 unit (a dense neuron or a conv channel) is *active* when the mean of its scaled values exceeds the
 threshold ``t`` (0.5 by default, any ``t`` in (0, 1) allowed). Because the scaling is affine, it
@@ -16,7 +15,7 @@ follows from the per-channel reductions the activation cache keeps (``mean_c``, 
 ``reduce="max"`` a channel is active when its *largest* scaled value exceeds ``t`` (a variant,
 not the paper's).
 
-**Probabilities** (§10, the paper's eq. 1). ``p(n | k)`` = share of the inputs *predicted* as class
+**Probabilities** (the paper's eq. 1). ``p(n | k)`` = share of the inputs *predicted* as class
 ``k`` on which unit ``n`` is active: a units × classes matrix ``p = A / c`` with ``A`` the active
 counts by predicted class and ``c`` the predicted-class counts. A class the model never predicts
 has no column (0/0): it is *excluded* from every pair (its NAPVD row and column are NaN), the
@@ -37,7 +36,7 @@ taken of the integer counts: ``Σ (A_a/c_a − A_b/c_b)² = (c_b² G_aa + c_a² 
 accurate to about 1e-8 near 0). ``|M| = 0`` (neither class activates any unit) gives NAPVD 0: the
 two classes are indistinguishable at this layer.
 
-**Confused pairs.** Rule ``"std"`` (the paper's default, §10): pairs ``i < j`` with
+**Confused pairs.** Rule ``"std"`` (the paper's default): pairs ``i < j`` with
 ``NAPVD < mean − 1·std`` over all pairs (population std, as ``np.std``). Rule ``"top"``: the
 ``⌈top_share·P⌉`` pairs (at least one) of smallest NAPVD, ties broken by pair order; the authors'
 ``int(top_share·P)`` flags nothing below 100 pairs, hence the ceiling. *Statistically loose:* the

@@ -47,7 +47,7 @@ def scaled_activity(mean: Tensor, lo: Tensor, hi: Tensor, threshold: float = DEF
 
     ``mean``, ``lo``, ``hi``: per-input, per-channel mean, min and max of the layer output ``(N, c)``.
     Active iff ``(v − min_all)/(max_all − min_all) > threshold`` with ``v = mean`` (``reduce="mean"``,
-    §10) or ``v = max`` (``reduce="max"``); never for a constant output. Computed in float64.
+    the authors' code) or ``v = max`` (``reduce="max"``); never for a constant output. Computed in float64.
     """
     t = check_threshold(threshold)
     if reduce not in ("mean", "max"):

@@ -1,4 +1,4 @@
-"""Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; METRICS.md §10).
+"""Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; README "Class confusion and bias").
 
 ``max_class_confusion(threshold, layer=...)`` and ``max_class_bias(threshold, layer=...)``. The engine is
 :mod:`pytest_dnnsafety.engines.inspection`; the layer's per-channel max/mean/min and the model's
@@ -184,7 +184,7 @@ MAX_CLASS_CONFUSION = GateDef(
     measure=_measure_class_confusion,
     doc="fail if two classes are too alike in `layer`: the largest 1 − NAPVD over class pairs (or, with "
         "statistic='share', the share of pairs flagged confused) exceeds `threshold` (DeepInspect, Tian et al. "
-        "2020; METRICS §10)",
+        "2020)",
 )
 
 MAX_CLASS_BIAS = GateDef(
@@ -200,7 +200,7 @@ MAX_CLASS_BIAS = GateDef(
     measure=_measure_class_bias,
     doc="fail if the largest avg_bias over class pairs in `layer` — how differently the model places two "
         "classes relative to third classes — exceeds `threshold` (in [0, 0.5]; DeepInspect, Tian et al. 2020; "
-        "METRICS §10)",
+        "README: Class confusion and bias)",
 )
 
 

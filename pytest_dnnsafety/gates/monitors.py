@@ -1,5 +1,5 @@
 """Built-in gate family: runtime safety monitors (``min_monitor_detection``, ``max_monitor_selective_risk``,
-``max_monitor_overhead``; the benchmark of Ferreira et al., seed 002, METRICS.md §9).
+``max_monitor_overhead``; the benchmark of Ferreira et al.; README "Runtime monitors").
 
 A monitor rejects inputs the model should not decide on. The gates read it from the ``monitors``
 fixture (a mapping name → monitor: the plugin's default holds ``msp``, ``odin`` and ``energy``; a
@@ -469,7 +469,7 @@ MIN_MONITOR_DETECTION = GateDef(
     optional={"novel": "ood_data"},
     measure=_measure_detection,
     doc="fail if the monitor's detection (OOD positive; MCC by default) of the worst fault family and severity "
-        "falls below `threshold` (Ferreira et al., safety-monitor benchmark; METRICS.md §9)",
+        "falls below `threshold` (Ferreira et al., safety-monitor benchmark; README: Runtime monitors)",
 )
 
 MAX_MONITOR_SELECTIVE_RISK = GateDef(
@@ -491,7 +491,7 @@ MAX_MONITOR_SELECTIVE_RISK = GateDef(
     optional={"novel": "ood_data"},
     measure=_measure_selective_risk,
     doc="fail if the error rate among the inputs the monitor accepts (its upper confidence bound by default) "
-        "exceeds `threshold` (the system view of METRICS.md §9)",
+        "exceeds `threshold` (the system view of Ferreira et al.'s benchmark)",
 )
 
 MAX_MONITOR_OVERHEAD = GateDef(

@@ -6,7 +6,7 @@ another process holds — so the engines ran 6–25× slower than they need to. 
 
 * ``neurons``: a gate's neuron k-activation coverage (Cheng et al. 2018, eq. (2), k = 2) of a conv
   layer: 4,000 28×28 images through a 64-channel conv, channel means, the engine's update;
-* ``reliability``: the reliability assessment (Zhao et al. 2021, METRICS.md §8) of a 2→32→32→2
+* ``reliability``: the reliability assessment (Zhao et al. 2021) of a 2→32→32→2
   MLP on a 25 × 25 grid at 1,000 samples per cell (625,000 model queries, 20 bootstrap refits).
 
 Each is timed (best of :data:`ROUNDS`) with *before* = torch's own default thread count (read from

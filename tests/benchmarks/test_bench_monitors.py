@@ -1,6 +1,6 @@
 """Benchmarks: runtime-monitor overhead on 10,000 digits images, and batched scoring vs per-input loops.
 
-Overhead (METRICS.md §9, "monitor time per input relative to the model's"): each monitor is fitted
+Overhead (Ferreira et al.: "monitor time per input relative to the model's"): each monitor is fitted
 on 1,000 digits and scored on 10,000 (the 1,797 digits repeated) with the digits CNN, batch 256,
 through :func:`~pytest_dnnsafety.engines.monitors.measure_overhead`: the model's forward pass per
 input, and what the monitor adds once the shared pass is cached (output and feature monitors only

@@ -1,4 +1,4 @@
-"""Runtime safety monitors and their benchmark (METRICS.md §9): pure torch, no pytest import.
+"""Runtime safety monitors and their benchmark (Ferreira et al.; README "Runtime monitors"): pure torch, no pytest import.
 
 * :mod:`.base` — the :class:`Monitor` protocol (fit on ID data → score, higher = more OOD → calibrated threshold
   → alarm), :class:`MonitorView` (the model's outputs and hidden features through the session's shared

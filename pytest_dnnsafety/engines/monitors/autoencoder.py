@@ -1,4 +1,4 @@
-"""Input-based runtime monitor: the reconstruction error of an autoencoder the user trained (METRICS.md §9).
+"""Input-based runtime monitor: the reconstruction error of an autoencoder the user trained (Ferreira et al., safety-monitor benchmark; README "Runtime monitors").
 
 An autoencoder trained on ID inputs reconstructs them well and OOD inputs badly (Sakurada & Yairi 2014; as an
 input monitor for DNNs e.g. Stocco et al., ICSE 2020, "Misbehaviour prediction for autonomous driving

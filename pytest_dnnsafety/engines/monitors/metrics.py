@@ -1,6 +1,6 @@
 """Detection metrics of a runtime safety monitor, and the monitor + model seen as one system.
 
-OOD is the positive class throughout (METRICS.md §9). The monitor's alarm is its prediction of
+OOD is the positive class throughout (Ferreira et al.). The monitor's alarm is its prediction of
 "this input is out of distribution"; with the truth ``is_ood`` of each input::
 
     TP = OOD ∧ alarm      FP = ID ∧ alarm      FN = OOD ∧ ¬alarm      TN = ID ∧ ¬alarm
@@ -9,7 +9,7 @@ OOD is the positive class throughout (METRICS.md §9). The monitor's alarm is it
     specificity = TN/(TN+FP)   F1 = 2TP/(2TP+FP+FN)
     MCC = (TP·TN − FP·FN) / √((TP+FP)(TP+FN)(TN+FP)(TN+FN))          (Matthews 1975)
 
-Where we differ from the published reference code of the monitor benchmark (the issue's seed 002):
+Where we differ from the published reference code of the monitor benchmark (Ferreira et al.):
 that code read the per-class figures of a classification report for the *ID* class, which swaps
 FPR and FNR and reports the negative predictive value as "precision" (and its "micro-F1" is a
 weighted F1). Here every figure is the OOD class's, as defined above; ``tests/test_monitor_metrics.py``
@@ -44,7 +44,7 @@ Threshold-free metrics (both on the monitor's scores, higher = more likely OOD):
   when 95 % of ID inputs are accepted, i.e. the FNR of a monitor calibrated with ``accept=0.95``
   in our terms (a different number; compare with :attr:`DetectionMetrics.fnr`).
 
-System view (§9): the monitor's reaction is right when it rejects a wrong decision of the model
+System view (Ferreira et al.): the monitor's reaction is right when it rejects a wrong decision of the model
 or accepts a right one. :func:`system_view` treats the alarm as a prediction of the model's error
 and reports coverage (share accepted), selective risk (error rate among accepted inputs, Geifman &
 El-Yaniv 2017) against the model alone (its error rate on all inputs), and the MCC of alarm vs

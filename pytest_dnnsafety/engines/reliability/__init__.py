@@ -12,7 +12,7 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   running example grids the unit square into 250 × 250 cells of side 0.004). ``box=None`` grids
   the data's range (operational and labelled points, unpadded; ``box="padded"`` adds three
   bandwidths per side); the box used is reported (``ReliabilityResult.box``).
-* **Ball cells** (``cells="balls"``; METRICS.md §8 "or are norm balls around operational
+* **Ball cells** (``cells="balls"``; Zhao et al. 2021, §IV: cells "or are norm balls around operational
   inputs", the paper's cells-as-norm-balls idea for high-dimensional inputs such as images,
   where no grid is possible): each operational input ``x_j`` (input space, flattened) is the
   centre of one cell ``B(x_j, ε)`` under ``norm`` (L∞ or L2). Op_j = 1/M (the empirical

@@ -107,7 +107,7 @@ def assess_reliability(
             on the first batches; results do not depend on it).
         input_dtype: dtype of the model inputs.
         cells: ``"grid"`` (default; the arguments above) or ``"balls"`` — norm-ball cells around
-            the operational inputs (METRICS.md §8: "cells … are norm balls around operational
+            the operational inputs (Zhao et al. 2021, §IV: "cells … are norm balls around operational
             inputs"; the paper's remedy for high-dimensional inputs such as images):
 
             * ``profile`` gives the centres: raw operational inputs ``(N, *input_shape)`` (images
