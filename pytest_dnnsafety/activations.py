@@ -110,8 +110,9 @@ class ModelOutputs:
         source = "outputs" if self.num_classes is not None else "classes named by classes="
         raise DataError(
             f"{what + ': ' if what else ''}the labels of fixture {data!r} range over {low}..{high}, but the model "
-            f"has {k} classes ({source} 0..{k - 1}); {bad} of {self.n_inputs} labels are outside, so the model can never be right "
-            f"on them and the metric would measure the data's mismatch, not the model. Fix: give class indices "
+            f"has {k} classes ({source} 0..{k - 1}); {bad} of {self.n_inputs} labels are outside, so the model "
+            f"can never be right on them and the metric would measure the data's mismatch, not the model. "
+            f"Fix: give class indices "
             f"0..{k - 1} in the model's output order (map the data's labels), or give data that belongs to this "
             f"model.")
 

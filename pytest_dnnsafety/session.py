@@ -177,9 +177,15 @@ class DnnSafetyPlugin:
         if self.is_worker or not ranks.is_main() or any(getattr(option, name, False) for name in
                                                         ("collectonly", "showfixtures", "show_fixtures_per_test")):
             return
-        self.html_target = self._output_path("html", "reports/dnnsafety.html")
-        self.baseline_target = self._output_path("save_baseline", "reports/baseline.json", remove_stale=False)
-        self.evidence_target = self._output_path("json", "reports/dnnsafety.json")
+        from .report.paths import prepare_output
+
+        try:  # each output file checked writable, a stale evidence file or page removed
+            self.html_target = prepare_output(self.settings, "html", "reports/dnnsafety.html")
+            self.baseline_target = prepare_output(self.settings, "save_baseline", "reports/baseline.json",
+                                                  remove_stale=False)
+            self.evidence_target = prepare_output(self.settings, "json", "reports/dnnsafety.json")
+        except DnnSafetyError as exc:
+            raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
         baseline = self.settings.get("baseline")
         if baseline.value is not None:  # a baseline that cannot be read stops the run before any test
             from .errors import ConfigError
@@ -189,43 +195,6 @@ class DnnSafetyPlugin:
                 Baseline.load(self.settings.path(baseline))
             except ConfigError as exc:
                 raise pytest.UsageError(f"pytest-dnnsafety: dnnsafety_baseline (from {baseline.source}): {exc}") from None
-
-    def _output_path(self, name: str, example: str, *, remove_stale: bool = True) -> Path | None:
-        """The checked path of an output file setting (``json``, ``html``, ``save_baseline``), or None.
-
-        A directory or an unwritable path is a usage error naming the setting, its source and the
-        fix; a stale file from an earlier run is removed (not for a baseline: it may be the one this
-        run compares against).
-        """
-        resolved = self.settings.get(name)
-        if resolved.value is None:
-            return None
-        from .report import prepare_evidence_path
-
-        path = self.settings.path(resolved)
-        try:
-            if name == "html":
-                from .errors import ConfigError
-                from .report.html import check_html_path
-
-                try:
-                    check_html_path(path)  # also: the [html] extra must be installed
-                except ConfigError as exc:
-                    raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
-            elif remove_stale:
-                prepare_evidence_path(path)
-            else:
-                if path.is_dir():
-                    raise IsADirectoryError(str(path))
-                path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            problem = "is a directory" if isinstance(exc, IsADirectoryError) else f"cannot be written: {exc}"
-            raise pytest.UsageError(
-                f"pytest-dnnsafety: dnnsafety_{name}={resolved.value!r} (from {resolved.source}) resolves to "
-                f"{path}, which {problem}. Fix: give a writable file path such as {example} "
-                "(missing folders are created)."
-            ) from None
-        return path
 
     # -- collection: validate every gate marker; a bad one is a collection error of its module
 

@@ -36,8 +36,8 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError, MarkerError
 
-__all__ = ["Output", "check_collisions", "check_gate_outputs", "check_marker_output", "run_outputs",
-           "MARKER_OUTPUT_PARAMS"]
+__all__ = ["Output", "check_collisions", "check_gate_outputs", "check_marker_output", "prepare_output",
+           "run_outputs", "MARKER_OUTPUT_PARAMS"]
 
 #: The settings that name an output file of the run (written at its end), in report order.
 OUTPUT_SETTINGS = ("json", "html", "save_baseline")
@@ -152,3 +152,35 @@ def check_gate_outputs(where: str, specs: Iterable[Any], base_dir: Path, files: 
             value = spec.options.get(keyword)
             if value is not None:
                 check_marker_output(where, spec.marker, keyword, value, base_dir, files)
+
+
+def prepare_output(settings: Any, name: str, example: str, *, remove_stale: bool = True) -> Path | None:
+    """The checked path of an output file setting (``json``, ``html``, ``save_baseline``), or None when unset.
+
+    A directory or an unwritable path is a :class:`ConfigError` naming the setting, its source and
+    the fix; a stale file from an earlier run is removed (not for a saved baseline: it may be the
+    one this run compares against). The HTML page also needs the ``[html]`` extra.
+    """
+    resolved = settings.get(name)
+    if resolved.value is None:
+        return None
+    path = settings.path(resolved)
+    try:
+        if name == "html":
+            from .html import check_html_path
+
+            check_html_path(path)
+        elif remove_stale:
+            from .evidence import prepare_evidence_path
+
+            prepare_evidence_path(path)
+        else:
+            if path.is_dir():
+                raise IsADirectoryError(str(path))
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = "is a directory" if isinstance(exc, IsADirectoryError) else f"cannot be written: {exc}"
+        raise ConfigError(f"dnnsafety_{name}={resolved.value!r} (from {resolved.source}) resolves to {path}, which "
+                          f"{problem}. Fix: give a writable file path such as {example} (missing folders are "
+                          "created).") from None
+    return path
