@@ -19,14 +19,16 @@ from . import faults as _faults
 from . import features as _features
 from . import metrics as _metrics
 from . import output as _output
+from . import overhead as _overhead
 from .autoencoder import *
 from .base import *
 from .faults import *
 from .features import *
 from .metrics import *
 from .output import *
+from .overhead import *
 
 __all__: list[str] = []
-for _module in (_base, _output, _features, _autoencoder, _faults, _metrics):
+for _module in (_base, _overhead, _output, _features, _autoencoder, _faults, _metrics):
     __all__ += _module.__all__
 del _module

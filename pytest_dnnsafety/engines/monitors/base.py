@@ -32,10 +32,7 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-import statistics
-import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -52,8 +49,6 @@ __all__ = [
     "fit_monitor",
     "CustomMonitor",
     "as_monitor",
-    "Overhead",
-    "measure_overhead",
     "BY_CHOICES",
 ]
 
@@ -605,68 +600,3 @@ def as_monitor(obj: Any) -> Monitor:
     if isinstance(obj, type) and issubclass(obj, Monitor):
         raise ConfigError(f"{obj.__name__} is a class. Fix: pass an instance, e.g. {obj.__name__}(...).")
     return CustomMonitor(obj)
-
-
-# ----------------------------------------------------------------------------- overhead
-
-
-@dataclass
-class Overhead:
-    """Time the monitor adds per input, against the model's own time per input, and its fitted state's memory."""
-
-    monitor_s_per_input: float
-    model_s_per_input: float
-    ratio: float
-    state_bytes: int
-    repeats: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -> Overhead:
-    """Median wall time (``time.perf_counter``, CUDA-synchronised) of the model and of the monitor on ``view``.
-
-    Model time: forward passes over ``view.batches()`` under ``no_grad`` in eval mode. Monitor time: the
-    monitor's :meth:`Monitor.score` on the view once the shared forward outputs and features are cached, i.e.
-    what the monitor adds in deployment (output and feature monitors only their arithmetic; ODIN its extra
-    forward+backward+forward; an autoencoder its own pass; a user monitor its whole score). One warm-up run of
-    each is not timed; then the median of ``repeats`` runs. ``ratio = monitor / model``.
-    """
-    repeats = check_count(repeats, "repeats", 1, "pass repeats >= 1, e.g. 5.")
-    monitor = as_monitor(monitor)
-    n = view.n_inputs
-    if n == 0:
-        raise DataError("measure_overhead: the view has no inputs. Fix: measure on a non-empty data set.")
-    device = view.model_device
-
-    def run_model() -> None:
-        with eval_mode(view.model), torch.no_grad():
-            for x, _ in view.batches():
-                view.model(x)
-
-    def run_monitor() -> None:
-        monitor.score(view)
-
-    def timed(fn: Any) -> float:
-        fn()  # warm-up (fills the cache for the monitor: its shared pass is the model's, not the monitor's)
-        _sync(device)
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    model_s = timed(run_model) / n
-    monitor_s = timed(run_monitor) / n
-    ratio = monitor_s / model_s if model_s > 0 else math.inf
-    return Overhead(monitor_s_per_input=monitor_s, model_s_per_input=model_s, ratio=ratio,
-                    state_bytes=monitor.state_bytes(), repeats=repeats)
