@@ -249,3 +249,37 @@ def test_bad_marker_arguments_are_collection_errors(gate_project: GateProject, m
     result = gate_project.run(*PLUGIN)
     assert result.ret != 0
     result.stdout.fnmatch_lines([f"*@pytest.mark.min_safe_radius: {expected}Fix: *"])
+
+
+NAN_LOGITS = """
+    import netdef
+    from torch import nn
+
+
+    class NaNWhenDark(nn.Module):
+        \"\"\"The digits CNN, but NaN logits wherever the top-left pixel is blank (most digits).\"\"\"
+
+        def __init__(self):
+            super().__init__()
+            self.net = netdef.trained()
+
+        def forward(self, x):
+            z = self.net(x)
+            blank = x.flatten(1)[:, :1] == 0
+            return torch.where(blank, torch.full_like(z, float("nan")), z)
+
+
+    @pytest.fixture(scope="session")
+    def model():
+        return NaNWhenDark().eval()
+"""
+
+
+def test_nan_logits_are_an_error_for_both_statistics(gate_project: GateProject, files: Path) -> None:
+    """A model that returns NaN on some inputs never passes, whichever radius the gate compares."""
+    estimate = HEALTHY["runner_up"].replace("data=", "statistic='estimate', data=")
+    project = _project(gate_project, files, {"default": HEALTHY["runner_up"], "estimate": estimate}, NAN_LOGITS)
+    assert _run(project).ret != 0
+    for name, gate in gates_of(project).items():
+        assert gate["status"] == "error", (name, gate)
+        assert "nan" in gate["summary"].lower(), (name, gate["summary"])
