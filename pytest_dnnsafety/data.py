@@ -17,10 +17,10 @@ import torch
 
 from .errors import DataError
 
-__all__ = ["as_tensors", "iter_batches", "known_length"]
+__all__ = ["as_tensors", "check_loader_order", "iter_batches", "known_length"]
 
 
-def _check_loader_order(loader: torch.utils.data.DataLoader, what: str) -> None:
+def check_loader_order(loader: torch.utils.data.DataLoader, what: str) -> None:
     """Refuse a DataLoader that does not read its dataset in index order.
 
     Gates link data row i to scenario row i, so a shuffling sampler (``shuffle=True``,
@@ -46,12 +46,12 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
     """Normalise ``(x, y)``, ``x``, a dict, a TensorDataset or a DataLoader into tensors.
 
     Checks shape agreement and finiteness; ``y`` may be missing (unlabelled data). A DataLoader
-    must read in order (see :func:`_check_loader_order`).
+    must read in order (see :func:`check_loader_order`).
     """
     x: Any
     y: Any = None
     if isinstance(data, torch.utils.data.DataLoader):
-        _check_loader_order(data, what)
+        check_loader_order(data, what)
         xs, ys = [], []
         for batch in data:
             bx, by = _split_batch(batch)
@@ -103,12 +103,12 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     """Yield ``(x, y)`` batches (``y`` may be None) from any accepted data form.
 
     A ``DataLoader`` is iterated as it is (its own batch size wins) and must read in order (see
-    :func:`_check_loader_order`; a loader over an ``IterableDataset`` yields the dataset's own
+    :func:`check_loader_order`; a loader over an ``IterableDataset`` yields the dataset's own
     order); tensors, arrays, ``(x, y)`` pairs, dicts and ``TensorDataset`` are sliced into
     ``batch_size`` rows.
     """
     if isinstance(data, torch.utils.data.DataLoader):
-        _check_loader_order(data, "data")
+        check_loader_order(data, "data")
         for batch in data:
             bx, by = _split_batch(batch)
             yield torch.as_tensor(bx), (torch.as_tensor(by) if by is not None else None)
