@@ -346,13 +346,49 @@ class GateSpec:
 
 @dataclass
 class GateContext:
-    """What a gate may use besides its fixtures: resolved settings for this gate and the session cache."""
+    """What a gate may use besides its fixtures: resolved settings for this gate and the session's services.
+
+    ``cache`` is the session-wide store the services live in. :meth:`memo` memoises a result keyed
+    by the *objects* it was computed from (a model, a data set) and plain values; :meth:`shard` is
+    this torchrun rank's share of a data set's batches.
+    """
 
     settings: Settings
     seed: int
     device: str
     batch_size: int
     cache: dict[str, Any] = field(default_factory=dict)
+
+    def memo(self, name: str, objects: tuple[Any, ...], values: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """``compute()``'s result, computed once per session for these ``objects`` and ``values``.
+
+        ``objects`` are compared by identity (a model or data set need not be hashable) and kept
+        alive with the result, so their identity cannot be reused by other objects while the
+        session lives; ``values`` must be hashable and are compared by equality. An exception is
+        memoised too (every gate asking again gets the same error without recomputing).
+        """
+        store: dict[Any, tuple[tuple[Any, ...], Any, BaseException | None]] = self.cache.setdefault("memo", {})
+        key = (name, tuple(id(obj) for obj in objects), values)
+        if key in store:
+            _, value, error = store[key]
+            if error is not None:
+                raise error
+            return value
+        try:
+            value = compute()
+        except Exception as exc:
+            store[key] = (objects, None, exc)
+            raise
+        store[key] = (objects, value, None)
+        return value
+
+    def shard(self, data: Any) -> Any:
+        """This torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of ``data`` batched by the gate's batch
+        size, or None to evaluate it whole (not distributed, or the data cannot be cut; see
+        :func:`pytest_dnnsafety.ranks.batch_shard`)."""
+        from .. import ranks
+
+        return ranks.batch_shard(data, self.batch_size)
 
 
 def resolve_optional(spec: GateSpec, settings: Settings, overridden: Callable[[str], bool]) -> GateSpec:
