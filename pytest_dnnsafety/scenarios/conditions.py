@@ -31,9 +31,8 @@ def _exact_limit() -> int:
     The public module re-exports the constant; reading it there keeps an override of
     ``pytest_dnnsafety.scenarios.EXACT_FEASIBILITY_LIMIT`` effective (as before the package split).
     """
-    import pytest_dnnsafety.scenarios as public
-
-    return int(public.EXACT_FEASIBILITY_LIMIT)
+    public = sys.modules.get("pytest_dnnsafety.scenarios")  # loaded: this module is part of it (no import cycle)
+    return int(getattr(public, "EXACT_FEASIBILITY_LIMIT", EXACT_FEASIBILITY_LIMIT))
 
 
 #: Assignments enumerated per chunk (bounds memory of the exact feasibility computation).

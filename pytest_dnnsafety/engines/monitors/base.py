@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ...activations import ActivationCache, ModelOutputs, _model_device
 from ...errors import ConfigError, DataError, MetricError
-from ...loading import iter_batches, known_length
+from ...data import iter_batches, known_length
 from ...outputs import eval_mode
 
 __all__ = [
