@@ -18,6 +18,7 @@ import importlib
 
 from .core import (  # noqa: F401  - _caller_source: the source of a register_gate call
     COMMON_SETTINGS,
+    GATES,
     REGRESSION_KEYWORDS,
     REQUIRED,
     GateContext,
@@ -60,16 +61,16 @@ BUILTIN_FAMILIES = (
 )
 
 
-def builtin_registry() -> GateRegistry:
-    """A fresh registry holding the built-in gates (what a run registers before any user plugin)."""
-    registry = GateRegistry()
+def builtin_registry(registry: GateRegistry | None = None) -> GateRegistry:
+    """A fresh registry (or ``registry``) holding the built-in gates (what a run registers before any user plugin)."""
+    registry = GateRegistry() if registry is None else registry
     for name in BUILTIN_FAMILIES:
         importlib.import_module(name).pytest_dnnsafety_register_gates(registry=registry)
     return registry
 
 
-#: The built-in gates by marker name (and gates added with :func:`register_gate`).
-GATES: GateRegistry = builtin_registry()
+# The built-in gates by marker name (and gates added with :func:`register_gate`): core.GATES, filled here.
+builtin_registry(GATES)
 
 
 def register_gate(gate: GateDef, *, replace: bool = False) -> GateDef:

@@ -314,6 +314,12 @@ class GateRegistry(MutableMapping):
         return f"GateRegistry({list(self._gates)})"
 
 
+#: The process-wide registry of the built-in gates (and those added with ``register_gate``), re-exported as
+#: :data:`pytest_dnnsafety.gates.GATES`, which fills it when imported; defined here so that this module never
+#: imports its package (no import cycle).
+GATES = GateRegistry()
+
+
 @dataclass(frozen=True)
 class GateSpec:
     """A validated gate marker on one test."""
@@ -332,11 +338,7 @@ class GateSpec:
 
     @property
     def definition(self) -> GateDef:
-        if self.gate is not None:
-            return self.gate
-        from . import GATES
-
-        return GATES[self.marker]
+        return self.gate if self.gate is not None else GATES[self.marker]
 
     def plan_entry(self) -> dict[str, Any]:
         """What the controller must know about this gate before it runs (plain JSON)."""
@@ -415,9 +417,7 @@ def resolve_optional(spec: GateSpec, settings: Settings, overridden: Callable[[s
 def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str,
                  registry: Mapping[str, GateDef] | None = None) -> GateSpec:
     """Validate one gate marker's arguments; ``where`` names the test for the error message."""
-    if registry is None:
-        from . import GATES as registry
-    gate = registry[name]
+    gate = (GATES if registry is None else registry)[name]
 
     def fail(argument: str, problem: str, fix: str) -> MarkerError:
         return MarkerError(f"{where}: @pytest.mark.{name}: argument {argument}: {problem}. Fix: {fix}.")
