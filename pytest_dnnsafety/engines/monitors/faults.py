@@ -7,7 +7,9 @@ adversarial inputs, the noise and shift transforms at severities 1 to 5 taken fr
 corruption benchmark of Hendrycks & Dietterich, *Benchmarking Neural Network Robustness to Common
 Corruptions and Perturbations* (ICLR 2019; constants from its CIFAR-10-C generator
 ``make_cifar_c.py``, for 32 × 32 images in [0, 1]). This module is that fault template as batched,
-seeded torch transforms. Novel classes are data the user provides (:data:`NOVEL`), not a transform.
+seeded torch transforms: each family is one transform of the perturbation library
+:mod:`..perturb` (shared with the robustness families) at the severity's parameter. Novel classes
+are data the user provides (:data:`NOVEL`), not a transform.
 
 Per-severity parameters (``w`` = width of ``clip``, ``lo`` = its low end; with ``clip=None`` the
 constants are read against the unit range, ``lo = 0``, ``w = 1``, and nothing is clamped):
@@ -104,11 +106,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import ConfigError, DataError
-from ..robustness.attacks import check_clip, fgsm, pgd
+from .. import perturb
+from ..perturb import fgsm, pgd
+from ..perturb.common import as_images, check_clip, value_range
 
 __all__ = [
     "FAULT_FAMILIES",
@@ -238,7 +241,7 @@ def _blur_sigma(severity: int, h: int, w: int) -> float:
 
 
 def _blur_radius(sigma: float, size: int) -> int:
-    return max(0, min(int(_BLUR_TRUNCATE * sigma + 0.5), size - 1))
+    return min(perturb.blur_radius(sigma, _BLUR_TRUNCATE), size - 1)
 
 
 def _row_count(severity: int, h: int) -> int:
@@ -315,10 +318,9 @@ def fault_parameters(family: str, *, shape: Sequence[int] | None = None) -> dict
 
 
 def _images(x: Tensor, family: str) -> Tensor:
-    if x.ndim == 4:
-        return x
-    if x.ndim == 3:
-        return x.unsqueeze(1)
+    imgs = as_images(x)
+    if imgs is not None:
+        return imgs
     raise DataError(f"fault family {family!r} is spatial and needs images (N, C, H, W) or (N, H, W), but x has shape "
                     f"{tuple(x.shape)}. Fix: give the data its image shape, or drop {family!r} for non-image data "
                     f"(the pointwise families gaussian_noise, shot_noise, impulse_noise, speckle_noise, brightness, "
@@ -384,79 +386,11 @@ def _check_attack_args(family: str, model: Any, y: Tensor | None) -> None:
 # ----------------------------------------------------------------------------- transforms
 
 
-def _draw(kind: str, shape: tuple[int, ...], like: Tensor, generator: torch.Generator) -> Tensor:
-    """Random numbers from ``generator`` on its own device (then moved to ``like``'s), in ``like``'s dtype."""
-    fn = torch.rand if kind == "rand" else torch.randn
-    return fn(shape, generator=generator, device=generator.device, dtype=like.dtype).to(like.device)
-
-
-def _gaussian_kernel(sigma: float, radius: int, like: Tensor) -> Tensor:
-    t = torch.arange(-radius, radius + 1, dtype=like.dtype, device=like.device)
-    k = torch.exp(-(t * t) / (2.0 * sigma * sigma))
-    return k / k.sum()
-
-
-def _blur(imgs: Tensor, sigma: float) -> Tensor:
-    """Separable Gaussian blur, depthwise (each channel alone), reflect padding (scipy ``mode='mirror'``)."""
-    n, c, h, w = imgs.shape
-    out = imgs.reshape(n * c, 1, h, w)
-    rw, rh = _blur_radius(sigma, w), _blur_radius(sigma, h)
-    if rw > 0:
-        kw = _gaussian_kernel(sigma, rw, imgs).reshape(1, 1, 1, -1)
-        out = F.conv2d(F.pad(out, (rw, rw, 0, 0), mode="reflect"), kw)
-    if rh > 0:
-        kh = _gaussian_kernel(sigma, rh, imgs).reshape(1, 1, -1, 1)
-        out = F.conv2d(F.pad(out, (0, 0, rh, rh), mode="reflect"), kh)
-    return out.reshape(n, c, h, w)
-
-
-def _rotate(imgs: Tensor, degrees: Tensor, fill: float) -> Tensor:
-    """Rotate each image ``(N, C, H, W)`` by its angle ``degrees (N,)`` about the centre; uncovered pixels = ``fill``.
-
-    Bilinear ``grid_sample`` through an affine map written in ``affine_grid``'s normalised coordinates with
-    the aspect ratio corrected, so the rotation is rigid in pixel space for non-square images too.
-    """
-    _, _, h, w = imgs.shape
-    rad = degrees.to(imgs.dtype) * (math.pi / 180.0)
-    cos, sin, zero = rad.cos(), rad.sin(), torch.zeros_like(rad)
-    theta = torch.stack((torch.stack((cos, -sin * (h / w), zero), dim=1),
-                         torch.stack((sin * (w / h), cos, zero), dim=1)), dim=1)
-    grid = F.affine_grid(theta, list(imgs.shape), align_corners=False)
-    return F.grid_sample(imgs - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
-
-
-def _haze_field(n: int, h: int, w: int, like: Tensor, generator: torch.Generator) -> Tensor:
-    """A smooth random field in [0, 1] per input ``(N, 1, H, W)``: a coarse Gaussian grid, bilinear, min–max."""
-    g = 2 if min(h, w) < 16 else 4
-    z = _draw("randn", (n, 1, g, g), like, generator)
-    up = F.interpolate(z, size=(h, w), mode="bilinear", align_corners=True)
-    flat = up.reshape(n, -1)
-    lo, hi = flat.amin(dim=1), flat.amax(dim=1)
-    return ((flat - lo[:, None]) / (hi - lo).clamp_min(1e-12)[:, None]).reshape(n, 1, h, w)
-
-
-def _row_mask(n: int, h: int, severity: int, like: Tensor, generator: torch.Generator) -> Tensor:
-    """Bool ``(N, H)``: per input the ``k`` rows with the largest random keys (nested in ``k``)."""
-    keys = _draw("rand", (n, h), like, generator)
-    idx = keys.topk(_row_count(severity, h), dim=1).indices
-    return torch.zeros((n, h), dtype=torch.bool, device=like.device).scatter_(1, idx, True)
-
-
-def _copy_source(hit: Tensor) -> Tensor:
-    """Per row, the row it shows: itself when kept, else the last kept row above (the first kept row if none)."""
-    n, h = hit.shape
-    kept = ~hit
-    rows = torch.arange(h, device=hit.device).expand(n, h)
-    last = torch.where(kept, rows, torch.full_like(rows, -1)).cummax(dim=1).values
-    first = kept.to(torch.int32).argmax(dim=1, keepdim=True).expand(n, h)
-    return torch.where(last < 0, first, last)
-
-
 def _apply(family: str, x: Tensor, severity: int, generator: torch.Generator, y: Tensor | None, model: Any,
            clip: tuple[float, float] | None, outputs: str) -> Tensor:
-    """The transform proper (no validation, no host sync): the caller checked the arguments."""
+    """The library transform at the severity's parameter (no validation, no host sync): the caller checked."""
     i = severity - 1
-    lo, width = (clip[0], clip[1] - clip[0]) if clip is not None else (0.0, 1.0)
+    _, width = value_range(clip)
     if family in _ADVERSARIAL:
         eps = _ADV_EPS_255[i] / 255.0 * width
         yd = y.to(device=x.device, dtype=torch.int64)  # type: ignore[union-attr]
@@ -466,60 +400,33 @@ def _apply(family: str, x: Tensor, severity: int, generator: torch.Generator, y:
     xw = x.detach()
     if xw.dtype in (torch.float16, torch.bfloat16):
         xw = xw.float()
-    shape = tuple(xw.shape)
+    h, w = xw.shape[-2:]
     if family == "gaussian_noise":
-        out = xw + (_GAUSSIAN_SIGMA[i] * width) * _draw("randn", shape, xw, generator)
+        out = perturb.gaussian_noise(xw, _GAUSSIAN_SIGMA[i] * width, generator, clip)
     elif family == "shot_noise":
-        lam = _SHOT_LAMBDA[i]
-        rates = ((xw - lo) * (lam / width)).clamp_min(0.0)
-        counts = torch.poisson(rates.to(generator.device), generator=generator).to(xw.device)
-        out = lo + counts * (width / lam)
+        out = perturb.shot_noise(xw, _SHOT_LAMBDA[i], generator, clip)
     elif family == "impulse_noise":
-        flip = _draw("rand", shape, xw, generator) < _IMPULSE_SHARE[i]
-        salt = _draw("rand", shape, xw, generator) < 0.5
-        values = torch.where(salt, torch.full_like(xw, lo + width), torch.full_like(xw, lo))
-        out = torch.where(flip, values, xw)
+        out = perturb.impulse_noise(xw, _IMPULSE_SHARE[i], generator, clip)
     elif family == "speckle_noise":
-        out = xw + (xw - lo) * (_SPECKLE_SIGMA[i] * _draw("randn", shape, xw, generator))
+        out = perturb.speckle_noise(xw, _SPECKLE_SIGMA[i], generator, clip)
+    elif family == "gaussian_blur":
+        out = perturb.blur(xw, _blur_sigma(severity, h, w), generator, clip)  # radius ⌊4σ + ½⌋ (truncate = 4)
     elif family == "brightness":
-        out = xw + _BRIGHTNESS[i] * width
+        out = perturb.brightness(xw, _BRIGHTNESS[i] * width, generator, clip)
     elif family == "contrast":
-        m = xw.reshape(shape[0], -1).mean(dim=1).reshape((-1,) + (1,) * (xw.ndim - 1))
-        out = (xw - m) * _CONTRAST[i] + m
+        out = perturb.contrast(xw, _CONTRAST[i], generator, clip)
+    elif family == "haze":
+        out = perturb.haze(xw, _HAZE[i], generator, clip)
+    elif family == "rotation":
+        out = perturb.random_rotation(xw, _ROTATION_DEG[i], generator, clip)
     elif family == "black_frame":
-        out = torch.full_like(xw, lo)
-    else:
-        imgs = _images(xw, family)
-        n, c, h, w = imgs.shape
-        if family == "gaussian_blur":
-            res = _blur(imgs, _blur_sigma(severity, h, w))
-        elif family == "haze":
-            a = _HAZE[i]
-            field = lo + width * (0.5 + 0.5 * _haze_field(n, h, w, imgs, generator))
-            res = imgs * (1.0 - a) + a * field
-        elif family == "rotation":
-            sign = torch.where(_draw("rand", (n,), imgs, generator) < 0.5, 1.0, -1.0)
-            res = _rotate(imgs, sign * _ROTATION_DEG[i], lo)
-        else:  # the row families
-            hit = _row_mask(n, h, severity, imgs, generator)
-            if family == "zeroed_rows":
-                res = imgs.masked_fill(hit[:, None, :, None], lo)
-            elif family == "copied_rows":
-                src = _copy_source(hit)
-                res = imgs.gather(2, src[:, None, :, None].expand(n, c, h, w))
-            else:  # shifted_rows: x'[j] = x[j − shift], shift = ±d, uncovered columns = lo
-                right = _draw("rand", (n, h), imgs, generator) < 0.5
-                d = _row_shift(severity, w)
-                shift = torch.where(right, d, -d)
-                cols = torch.arange(w, device=imgs.device)
-                src = cols[None, None, :] - shift[:, :, None]
-                inside = (src >= 0) & (src < w)
-                moved = imgs.gather(3, src.clamp(0, w - 1)[:, None].expand(n, c, h, w))
-                moved = moved.masked_fill(~inside[:, None], lo)
-                res = torch.where(hit[:, None, :, None], moved, imgs)
-        out = res.reshape(shape)
-    if clip is not None:
-        out = out.clamp(clip[0], clip[1])
+        out = perturb.black_frame(xw, None, generator, clip)
+    elif family == "zeroed_rows":
+        out = perturb.zeroed_rows(xw, _row_count(severity, h), generator, clip)
+    elif family == "copied_rows":
+        out = perturb.copied_rows(xw, _row_count(severity, h), generator, clip)
+    else:  # shifted_rows
+        out = perturb.shifted_rows(xw, _row_count(severity, h), generator, clip, shift=_row_shift(severity, w))
     return out.to(x.dtype)
 
 

@@ -15,7 +15,8 @@ family                    ε means                         x'
 ``brightness``            shift, input units              ``x + ε`` or ``x − ε``, the worse of the two
 ``contrast``              relative contrast change        ``m + (x − m)·(1 ± ε)``, ``m`` the input's mean,
                                                           the worse of the two
-``blur``                  Gaussian sigma, pixels          Gaussian blur (separable, reflect padding)
+``blur``                  Gaussian sigma, pixels          Gaussian blur (separable, reflect padding,
+                                                          kernel radius ⌈3σ⌉)
 ``rotation``              angle, degrees                  rotation by ``+ε`` or ``−ε`` about the centre
                                                           (bilinear, filled with ``clip[0]`` or 0), worse
 ``translation``           shift, pixels (sub-pixel ok)    shift right/left/down/up by ε (bilinear, filled
@@ -32,7 +33,8 @@ candidates stacked as one batch (:func:`worst_of`): the candidate with the lowes
 log-probability wins, which is the transformer eq. (4)'s ``min`` would pick. The spatial families
 (blur, rotation, translation, occlusion) need images ``(N, C, H, W)`` (or ``(N, H, W)``). Every
 output is clamped to ``clip`` when one is given. All families are batched, pure torch and
-deterministic given the generator.
+deterministic given the generator: each candidate is one transform of the perturbation
+library :mod:`..perturb` (shared with the monitor fault families), called with the family's ``clip``.
 
 When called by the runner, families also receive ``guard=`` (a ForwardGuard every model query
 goes through) and ``outputs=`` (the detected output kind); called alone, a family uses its own
@@ -48,12 +50,14 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import ConfigError, MetricError
 from ...outputs import ForwardGuard
-from .attacks import OUTPUTS, check_clip, _check_outputs, _draw, _is_real, detect_outputs, fgsm, log_probs, pgd
+from ..perturb import blur, brightness, contrast, gaussian_noise, occlude, rotate, translate
+from ..perturb.adversarial import OUTPUTS, _check_outputs, detect_outputs, fgsm, log_probs, pgd
+from ..perturb.common import as_images, check_clip, fill_value
+from ..perturb.common import is_real as _is_real
 
 __all__ = [
     "FAMILIES",
@@ -102,10 +106,9 @@ def worst_of(
 
 def _images(x: Tensor, family: str) -> Tensor:
     """``x`` as ``(N, C, H, W)``; ``(N, H, W)`` gets a channel; anything else is refused."""
-    if x.ndim == 4:
-        return x
-    if x.ndim == 3:
-        return x.unsqueeze(1)
+    imgs = as_images(x)
+    if imgs is not None:
+        return imgs
     raise MetricError(
         f"perturbation family {family!r} is spatial and needs images (N, C, H, W) or (N, H, W), but the inputs have "
         f"shape {tuple(x.shape)}. Fix: drop {family!r} for non-image data and use gaussian_noise, brightness, "
@@ -135,7 +138,7 @@ class Family(abc.ABC):
     @property
     def fill(self) -> float:
         """The value of pixels uncovered by rotation/translation and of occluding patches."""
-        return self.clip[0] if self.clip is not None else 0.0
+        return fill_value(self.clip)
 
     def __call__(
         self,
@@ -192,7 +195,7 @@ class GaussianNoise(Family):
     uses_outputs = False
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        return x + eps * _draw("randn", tuple(x.shape), x, generator)
+        return gaussian_noise(x, eps, generator)
 
 
 class Brightness(Family):
@@ -202,7 +205,8 @@ class Brightness(Family):
     unit = "brightness shift in input units (L∞ radius)"
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        return worst_of(model, y, [self._clamp(x + eps), self._clamp(x - eps)], outputs, guard)
+        return worst_of(model, y, [brightness(x, eps, clip=self.clip), brightness(x, -eps, clip=self.clip)],
+                        outputs, guard)
 
 
 class Contrast(Family):
@@ -212,15 +216,8 @@ class Contrast(Family):
     unit = "relative contrast change (0.1 = ±10%)"
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        m = x.reshape(x.shape[0], -1).mean(dim=1).reshape((-1,) + (1,) * (x.ndim - 1))
-        up, down = m + (x - m) * (1 + eps), m + (x - m) * (1 - eps)
-        return worst_of(model, y, [self._clamp(up), self._clamp(down)], outputs, guard)
-
-
-def _gaussian_kernel(sigma: float, radius: int, like: Tensor) -> Tensor:
-    t = torch.arange(-radius, radius + 1, dtype=like.dtype, device=like.device)
-    k = torch.exp(-(t**2) / (2 * sigma**2))
-    return k / k.sum()
+        up, down = contrast(x, 1 + eps, clip=self.clip), contrast(x, 1 - eps, clip=self.clip)
+        return worst_of(model, y, [up, down], outputs, guard)
 
 
 class Blur(Family):
@@ -232,71 +229,32 @@ class Blur(Family):
     uses_outputs = False
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        imgs = _images(x, self.name)
-        if eps < 1e-3:  # the neighbours' weight exp(-1/(2σ²)) is 0 in float64: the identity (and no 0/0)
-            return x.clone()
-        _, c, h, w = imgs.shape
-        reach = math.ceil(3 * eps)
-        rh, rw = min(reach, h - 1), min(reach, w - 1)  # reflect padding needs pad < size
-        out = imgs
-        if rw > 0:
-            kw = _gaussian_kernel(eps, rw, imgs).reshape(1, 1, 1, -1).expand(c, 1, 1, 2 * rw + 1)
-            out = F.conv2d(F.pad(out, (rw, rw, 0, 0), mode="reflect"), kw, groups=c)
-        if rh > 0:
-            kh = _gaussian_kernel(eps, rh, imgs).reshape(1, 1, -1, 1).expand(c, 1, 2 * rh + 1, 1)
-            out = F.conv2d(F.pad(out, (0, 0, rh, rh), mode="reflect"), kh, groups=c)
-        return out.reshape(x.shape)
+        return blur(x, eps, radius=math.ceil(3 * eps))  # the identity below σ = 10⁻³ (no 0/0 in the kernel)
 
 
-def _warp(imgs: Tensor, theta: Tensor, fill: float) -> Tensor:
-    """``grid_sample`` of ``imgs`` (N, C, H, W) through the affine map ``theta`` (2, 3); outside = ``fill``."""
-    n = imgs.shape[0]
-    grid = F.affine_grid(theta.to(imgs.dtype).expand(n, 2, 3), list(imgs.shape), align_corners=False)
-    return F.grid_sample(imgs - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
-
-
-class _Warp(Family):
-    """An affine warp family: per input the worst of the candidate maps :meth:`_thetas` gives."""
-
-    spatial = True
-
-    @abc.abstractmethod
-    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
-        """The candidate maps as affine_grid ``theta`` matrices (2 × 3) for an ``h`` × ``w`` image."""
-
-    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
-        imgs = _images(x, self.name)
-        h, w = imgs.shape[-2:]
-        # all candidate maps built on the host at once, then one asynchronous copy (a device loop does not wait)
-        thetas = torch.tensor(self._thetas(eps, h, w)).to(x.device, non_blocking=True)
-        candidates = [self._clamp(_warp(imgs, theta, self.fill).reshape(x.shape)) for theta in thetas]
-        return worst_of(model, y, candidates, outputs, guard)
-
-
-class Rotation(_Warp):
+class Rotation(Family):
     """Rotation by ``±ε`` degrees about the image centre (bilinear), per input the worse of the two."""
 
     name = "rotation"
     unit = "rotation angle in degrees"
+    spatial = True
 
-    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
-        out = []
-        for angle in (eps, -eps):
-            cos, sin = math.cos(math.radians(angle)), math.sin(math.radians(angle))
-            # rotation in pixel space, written in affine_grid's normalised coordinates (non-square safe)
-            out.append([[cos, -sin * h / w, 0.0], [sin * w / h, cos, 0.0]])
-        return out
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        candidates = [rotate(x, angle, clip=self.clip) for angle in (eps, -eps)]
+        return worst_of(model, y, candidates, outputs, guard)
 
 
-class Translation(_Warp):
+class Translation(Family):
     """A shift by ε pixels right, left, down or up (bilinear, sub-pixel ok), per input the worst of four."""
 
     name = "translation"
     unit = "shift in pixels"
+    spatial = True
 
-    def _thetas(self, eps: float, h: int, w: int) -> list[list[list[float]]]:
-        return [[[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]]
-                for dx, dy in ((eps, 0.0), (-eps, 0.0), (0.0, eps), (0.0, -eps))]
+    def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        candidates = [translate(x, shift, clip=self.clip) for shift in ((eps, 0.0), (-eps, 0.0), (0.0, eps),
+                                                                          (0.0, -eps))]
+        return worst_of(model, y, candidates, outputs, guard)
 
 
 def _positions(size: int, side: int) -> list[int]:
@@ -316,12 +274,8 @@ class Occlusion(Family):
         imgs = _images(x, self.name)
         h, w = imgs.shape[-2:]
         side = min(max(1, math.floor(eps * min(h, w) + 0.5)), h, w)
-        candidates = []
-        for top in _positions(h, side):
-            for left in _positions(w, side):
-                patched = imgs.clone()
-                patched[..., top:top + side, left:left + side] = self.fill
-                candidates.append(self._clamp(patched.reshape(x.shape)))
+        candidates = [occlude(x, side, clip=self.clip, top=top, left=left)
+                      for top in _positions(h, side) for left in _positions(w, side)]
         return worst_of(model, y, candidates, outputs, guard)
 
 
