@@ -101,7 +101,8 @@ def test_payload_round_trip(case: EngineCase) -> None:
     engine = run_rows(case, case.rows(0), SPLIT)
     payload = engine.state_payload()
     text = json.dumps(payload, allow_nan=False)  # plain JSON: non-finite floats are encoded by the engine
-    for copy in (Engine.from_payload(payload), type(engine).from_payload(payload), Engine.from_payload(json.loads(text))):
+    copies = (Engine.from_payload(payload), type(engine).from_payload(payload), Engine.from_payload(json.loads(text)))
+    for copy in copies:
         assert type(copy) is type(engine) and copy.config() == engine.config()
         problem = _states_identical(copy, engine)
         assert problem is None, f"{case.id}: {problem}"
