@@ -17,9 +17,15 @@ of :mod:`..engines.monitors.faults` at severities 1–5, plus novel classes from
   anomalies have no right answer: every decision on them counts as an error.
 * ``max_monitor_overhead`` — the monitor's time per input relative to the model's forward pass.
 
-Fitted monitors, scores and fault sets are cached per session (``ctx.cache``): three gates on one
-monitor fit it once and score each data set once; the forward passes go through the shared
-activation cache. No torch import at module level.
+Fitted monitors, scores and fault sets are memoised per session (``ctx.memo``, keyed by the fixture
+objects): three gates on one monitor fit it once and score each data set once; the forward passes go
+through the shared activation cache. Nothing holds the evaluation images: a fault set is a lazy
+:class:`~..engines.monitors.FaultStream` (faulted batch by batch as it is read; its seeds depend on
+the batch size), shapes are compared on first batches, and what is kept per input is a score, a
+prediction or an error flag. Under torchrun the scoring of the evaluation and fault data is sharded
+by batches (each rank forwards its share; the per-input scores and errors are all-gathered, so every
+rank computes the single-process values); ``max_monitor_overhead`` is timed on every rank and
+reports rank 0's timing. No torch import at module level.
 """
 
 from __future__ import annotations
@@ -71,46 +77,83 @@ def _clip(value: Any) -> tuple[float, float] | None:
     return None if value is None else (float(value[0]), float(value[1]))
 
 
+def _first_batch(data: Any, batch_size: int) -> tuple[Any, Any] | None:
+    """The first ``(x, y)`` batch of ``data`` (one batch read, not the data set), or None for empty data."""
+    from ..data import iter_batches
+
+    for x, y in iter_batches(data, batch_size):
+        return x, y
+    return None
+
+
+def _stream(ctx: GateContext, data: Any, family: str, severity: int, *, model: Any, clip: Any, role: str,
+            plan: Sequence[str] = ()) -> Any:
+    """``data`` under fault ``family`` at ``severity`` as a lazy :class:`~..engines.monitors.FaultStream`,
+    one object per (data, family, severity, seed, clip, model) for the session: its forward pass and monitor
+    scores are shared by every gate (and the ``fault_data`` fixture) that asks for it.
+
+    An adversarial family attacks the true class: the data must be labelled (read from its first batch)
+    with classes the model outputs (checked on the shared pass; ``role`` names the fixture).
+    """
+    import torch
+
+    from ..engines.monitors.faults import FAULT_GROUPS
+    from ..engines.monitors.stream import fault_stream
+
+    adversarial = family in FAULT_GROUPS["adversarial"]
+
+    def make() -> Any:
+        if adversarial:
+            first = _first_batch(data, ctx.batch_size)
+            if first is not None and first[1] is None:
+                raise DataError(f"fault family {family!r} attacks the true class, but the evaluation data has no "
+                                "labels. Fix: give labelled data (x, y).")
+            if isinstance(model, torch.nn.Module):  # the attack's loss reads the true class
+                _outputs(ctx, model, data, plan, role, f"fault family {family!r} (it attacks the true class)")
+        return fault_stream(data, family, severity, seed=ctx.seed, model=model, batch_size=ctx.batch_size,
+                            device=ctx.device, clip=_clip(clip))
+
+    return ctx.memo("monitor fault set", (data, model if adversarial else None),
+                    (family, severity, ctx.seed, _clip(clip), ctx.batch_size, str(ctx.device)), make)
+
+
 def fault_set(cache: dict[str, Any], data: Any, family: str, severity: int, *, seed: int, model: Any = None,
               batch_size: int = 256, device: str = "cpu", clip: Any = (0.0, 1.0), role: str = "dataset") -> Any:
     """``data`` under fault ``family`` at ``severity`` as a ``TensorDataset`` (labels kept), cached per session.
 
-    ``role`` names ``data``'s fixture in errors (an adversarial family checks that the labels are
-    classes the model outputs).
-
-    The same object for the same arguments, so its forward pass and monitor scores are shared by
-    every gate (and the ``fault_data`` fixture) that asks for it.
+    The ``fault_data`` fixture's form: the gates' own lazy fault set (:func:`_stream`, the same seeded
+    values) read into memory once, the same object for the same arguments. ``role`` names ``data``'s
+    fixture in errors.
     """
-    import torch
+    ctx = GateContext(settings=None, seed=seed, device=device, batch_size=batch_size, cache=cache)  # type: ignore[arg-type]
 
-    from ..data import as_tensors
-    from ..engines.monitors.faults import FAULT_GROUPS, make_fault_data
+    def make() -> Any:
+        return _stream(ctx, data, family, severity, model=model, clip=clip, role=role).materialise()
+
+    from ..engines.monitors.faults import FAULT_GROUPS
 
     adversarial = family in FAULT_GROUPS["adversarial"]
-    key = (id(data), family, severity, seed, _clip(clip), id(model) if adversarial else None)
-    store = cache.setdefault("fault_sets", {})
-    if key not in store:
-        x, y = as_tensors(data, "the in-distribution evaluation data")
-        if adversarial and y is None:
-            raise DataError(f"fault family {family!r} attacks the true class, but the evaluation data has no labels. "
-                            "Fix: give labelled data (x, y).")
-        if adversarial and isinstance(model, torch.nn.Module):  # the attack's loss reads the true class
-            from ..activations import ActivationCache
+    return ctx.memo("monitor fault set (tensors)", (data, model if adversarial else None),
+                    (family, severity, seed, _clip(clip), batch_size, str(device)), make)
 
-            out = cache.setdefault("activations", ActivationCache()).outputs(model, data, batch_size=batch_size,
-                                                                             device=device)
-            out.check_labels(role, what=f"fault family {family!r} (it attacks the true class)")
-        if adversarial:
-            from ..outputs import model_dtype_device
 
-            target = model_dtype_device(model)[1] or torch.device(device)
-            x, y = x.to(target), y.to(target)
-        xf, yf = make_fault_data(family, x, y, severity, seed=seed, model=model, batch_size=batch_size,
-                                 clip=_clip(clip))
-        xf = xf.detach().cpu()
-        made = torch.utils.data.TensorDataset(xf, yf.cpu()) if yf is not None else torch.utils.data.TensorDataset(xf)
-        store[key] = (data, model, made)  # keep the sources alive: their ids are in the key
-    return store[key][-1]
+def _outputs(ctx: GateContext, model: Any, data: Any, plan: Sequence[str], role: str, what: str = "") -> Any:
+    """The model's outputs on ``data`` (this rank's shard under torchrun), their labels checked against its classes.
+
+    The pass is the shared one (its plan's layers captured with it); under torchrun every rank checks its
+    shard and the ranks agree (a bad label on one rank's shard fails the gate on every rank).
+    """
+    from .. import ranks
+
+    shard = ctx.shard(data)
+
+    def local() -> Any:
+        out = _activations(ctx).outputs(model, data, batch_size=ctx.batch_size, device=ctx.device, plan=plan,
+                                        shard=shard)
+        out.check_labels(role, what=what)
+        return out
+
+    return ranks.together(local, sharded=shard is not None)
 
 
 def _monitor(spec: GateSpec, fx: Mapping[str, Any], name: str) -> Any:
@@ -144,28 +187,21 @@ def _bank_layers(bank: Any) -> tuple[str, ...]:
 
 
 def _fitted(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str) -> tuple[Any, tuple[Any, ...]]:
-    """The monitor ``name`` fitted on the fit data, once per session: (fitted copy, cache key)."""
+    """The monitor ``name`` fitted on the fit data, once per session: (fitted copy, the objects it was fitted from)."""
     from ..engines.monitors import fit_monitor
 
     monitor = _monitor(spec, fx, name)
-    _check_like(spec, "fit_data", fx["fit_data"], fx["data"], "data")
-    key = (id(fx["monitors"]), name, id(fx["model"]), id(fx["fit_data"]), ctx.seed)
-    store = ctx.cache.setdefault("fitted_monitors", {})
-    if key not in store:
+    _check_like(spec, "fit_data", fx["fit_data"], fx["data"], "data", ctx.batch_size)
+    objects = (fx["monitors"], fx["model"], fx["fit_data"])
+
+    def fit() -> Any:
         fitted = copy.deepcopy(monitor)  # the fixture's monitor stays as configured
         fitted.name = name  # reported under the name the gates use
-        try:
-            _check_fit_labels(ctx, fx, spec.fixtures["fit_data"], name)
-            fitted = fit_monitor(fitted, fx["model"], fx["fit_data"], seed=ctx.seed, batch_size=ctx.batch_size,
-                                 device=ctx.device, cache=_activations(ctx), plan=_bank_layers(fx["monitors"]))
-        except Exception as exc:
-            store[key] = (fx["monitors"], fx["model"], fx["fit_data"], exc)
-            raise
-        store[key] = (fx["monitors"], fx["model"], fx["fit_data"], fitted)
-    fitted = store[key][-1]
-    if isinstance(fitted, Exception):
-        raise fitted
-    return fitted, key
+        _check_fit_labels(ctx, fx, spec.fixtures["fit_data"], name)
+        return fit_monitor(fitted, fx["model"], fx["fit_data"], seed=ctx.seed, batch_size=ctx.batch_size,
+                           device=ctx.device, cache=_activations(ctx), plan=_bank_layers(fx["monitors"]))
+
+    return ctx.memo("fitted monitor", objects, (name, ctx.seed), fit), objects
 
 
 def _check_fit_labels(ctx: GateContext, fx: Mapping[str, Any], role: str, name: str) -> None:
@@ -181,29 +217,30 @@ def _check_fit_labels(ctx: GateContext, fx: Mapping[str, Any], role: str, name: 
 
 def _scores(ctx: GateContext, monitor: Any, key: tuple[Any, ...], model: Any, data: Any, plan: Sequence[str] = ()
             ) -> Any:
-    """The fitted monitor's scores on ``data`` (one forward pass shared through the activation cache)."""
+    """The fitted monitor's scores on ``data``: one forward pass shared through the activation cache, and under
+    torchrun on this rank's batches only (every rank then holds all the scores, see ``Monitor.score``)."""
     from ..engines.monitors import MonitorView
 
-    store = ctx.cache.setdefault("monitor_scores", {})
-    skey = (key, id(data))
-    if skey not in store:
+    def score() -> Any:
         view = MonitorView(model, data, batch_size=ctx.batch_size, device=ctx.device, cache=_activations(ctx),
-                           plan=(*monitor.layers(), *plan))
-        store[skey] = (data, monitor.score(view))
-    return store[skey][1]
+                           plan=(*monitor.layers(), *plan), shard=ctx.shard(data))
+        return monitor.score(view)
+
+    return ctx.memo("monitor scores", (*key, data), (monitor.name, ctx.seed), score)
 
 
-def _check_like(spec: GateSpec, role: str, data: Any, reference: Any, ref_role: str) -> None:
-    """Inputs of ``data`` have the per-sample shape of ``reference`` (e.g. OOD data vs evaluation data)."""
-    from ..data import as_tensors
+def _check_like(spec: GateSpec, role: str, data: Any, reference: Any, ref_role: str, batch_size: int) -> None:
+    """Inputs of ``data`` have the per-sample shape of ``reference`` (e.g. OOD data vs evaluation data).
 
-    x, _ = as_tensors(data, f"fixture {spec.fixtures[role]!r}")
-    xr, _ = as_tensors(reference, f"fixture {spec.fixtures[ref_role]!r}")
-    if x.shape[0] == 0:
+    Compares the first batch of each (a batch is read, not the data set)."""
+    first, ref = _first_batch(data, batch_size), _first_batch(reference, batch_size)
+    if first is None or first[0].shape[0] == 0:
         raise DataError(f"{spec.marker}: fixture {spec.fixtures[role]!r} is empty. Fix: give at least one input.")
-    if tuple(x.shape[1:]) != tuple(xr.shape[1:]):
-        raise DataError(f"{spec.marker}: fixture {spec.fixtures[role]!r} has inputs of shape {tuple(x.shape[1:])}, "
-                        f"but {spec.fixtures[ref_role]!r} has {tuple(xr.shape[1:])}. Fix: give inputs of the shape "
+    shape = tuple(first[0].shape[1:])
+    ref_shape = tuple(ref[0].shape[1:]) if ref is not None else shape
+    if shape != ref_shape:
+        raise DataError(f"{spec.marker}: fixture {spec.fixtures[role]!r} has inputs of shape {shape}, "
+                        f"but {spec.fixtures[ref_role]!r} has {ref_shape}. Fix: give inputs of the shape "
                         "the model takes (same preprocessing as the evaluation data).")
 
 
@@ -222,13 +259,12 @@ def _sets(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> list[tuple
                     f"{spec.marker}: faults= includes 'novel', but no novel-class data is configured. Fix: set "
                     "dnnsafety_ood_data (inputs of classes the model never saw), define an `ood_data` fixture, or "
                     "name one with novel=\"my_fixture\".")
-            _check_like(spec, "novel", fx["novel"], fx["data"], "data")
+            _check_like(spec, "novel", fx["novel"], fx["data"], "data", ctx.batch_size)
             out.append((NOVEL, None, fx["novel"]))
             continue
         for severity in severities[:1] if family in _SEVERITY_FREE else severities:
-            data = fault_set(ctx.cache, fx["data"], family, severity, seed=ctx.seed, model=fx["model"],
-                             batch_size=ctx.batch_size, device=ctx.device, clip=opts["clip"],
-                             role=spec.fixtures["data"])
+            data = _stream(ctx, fx["data"], family, severity, model=fx["model"], clip=opts["clip"],
+                           role=spec.fixtures["data"], plan=_bank_layers(fx["monitors"]))
             out.append((family, None if family in _SEVERITY_FREE else severity, data))
     return out
 
@@ -332,17 +368,28 @@ def _measure_detection(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) 
 
 
 def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: str) -> Any:
-    """Per input: is the model's decision wrong? (Always, on inputs that have no right answer.)"""
+    """Per input: is the model's decision wrong? (Always, on inputs that have no right answer.)
+
+    From the shared pass (under torchrun this rank's shard, then all-gathered: every rank holds every input's)."""
     import torch
 
-    out = _activations(ctx).outputs(model, data, batch_size=ctx.batch_size, device=ctx.device)
-    if family in _NO_RIGHT_ANSWER:
-        return torch.ones(out.n_inputs, dtype=torch.bool, device=out.predictions.device)
-    if out.labels is None:
-        raise DataError(f"fixture {role!r} has no labels; the system view compares each decision with the true "
-                        "class. Fix: give labelled data (e.g. an .npz with keys x and y).")
-    out.check_labels(role)
-    return out.predictions != out.labels.to(out.predictions.device)
+    from .. import ranks
+    from ..engines.states import all_gather_rows
+
+    shard = ctx.shard(data)
+
+    def local() -> Any:
+        out = _activations(ctx).outputs(model, data, batch_size=ctx.batch_size, device=ctx.device, shard=shard)
+        if family in _NO_RIGHT_ANSWER:
+            return torch.ones(out.n_inputs, dtype=torch.bool, device=out.predictions.device)
+        if out.labels is None:
+            raise DataError(f"fixture {role!r} has no labels; the system view compares each decision with the true "
+                            "class. Fix: give labelled data (e.g. an .npz with keys x and y).")
+        out.check_labels(role)
+        return out.predictions != out.labels.to(out.predictions.device)
+
+    wrong = ranks.together(local, sharded=shard is not None)
+    return wrong if shard is None else all_gather_rows(wrong)
 
 
 def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:

@@ -1,13 +1,15 @@
 """Runtime safety monitors and their benchmark (Ferreira et al.; README "Runtime monitors"): pure torch, no pytest import.
 
 * :mod:`.base` — the :class:`Monitor` protocol (fit on ID data → score, higher = more OOD → calibrated threshold
-  → alarm), :class:`MonitorView` (the model's outputs and hidden features through the session's shared
-  activation cache), :func:`fit_monitor`, user monitors (:class:`CustomMonitor`, :func:`as_monitor`) and
-  :func:`measure_overhead`;
+  → alarm), :func:`fit_monitor`, user monitors (:class:`CustomMonitor`, :func:`as_monitor`);
+* :mod:`.view` — :class:`MonitorView` (the model's outputs and hidden features through the session's shared
+  activation cache; the inputs batch by batch through the runner; a torchrun rank's shard);
+* :mod:`.overhead` — :func:`measure_overhead`;
 * :mod:`.output` — :class:`MSP`, :class:`ODIN`, :class:`Energy`;
 * :mod:`.features` — :class:`OutsideTheBox`, :class:`ActivationPatterns`, :class:`Mahalanobis`;
 * :mod:`.autoencoder` — :class:`Autoencoder` (the reconstruction error of the user's autoencoder);
 * :mod:`.faults` — fault families (noise, distribution shift, anomalies, adversarial) at severities 1–5;
+* :mod:`.stream` — :class:`FaultStream`: a fault set as lazy data, faulted batch by batch as it is read;
 * :mod:`.metrics` — detection metrics (OOD = positive), AUROC, FPR@95%TPR, the system view.
 """
 
@@ -20,6 +22,8 @@ from . import features as _features
 from . import metrics as _metrics
 from . import output as _output
 from . import overhead as _overhead
+from . import stream as _stream
+from . import view as _view
 from .autoencoder import *
 from .base import *
 from .faults import *
@@ -27,8 +31,10 @@ from .features import *
 from .metrics import *
 from .output import *
 from .overhead import *
+from .stream import *
+from .view import *
 
 __all__: list[str] = []
-for _module in (_base, _overhead, _output, _features, _autoencoder, _faults, _metrics):
+for _module in (_view, _base, _overhead, _output, _features, _autoencoder, _faults, _stream, _metrics):
     __all__ += _module.__all__
 del _module

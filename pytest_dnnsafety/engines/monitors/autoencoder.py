@@ -26,7 +26,7 @@ class Autoencoder(Monitor):
 
     ``module`` is the user's trained autoencoder ``g`` (an ``nn.Module`` or any callable ``(N, ...) -> (N, ...)``);
     its output must have the input's shape (else :class:`MetricError` naming the module). It runs in eval mode
-    under ``no_grad``, batch by batch, on the module's own device (inputs are moved there); a module that
+    under ``no_grad``, batch by batch through the view's runner (only the per-input errors are kept), on the module's own device (inputs are moved there); a module that
     raises becomes a :class:`MetricError` naming it and the batch. Nothing is learned at fit (the threshold is
     calibrated as for every monitor) and nothing merges; :meth:`state_bytes` counts the module's parameters and
     buffers, which is the memory the monitor adds in deployment.
@@ -54,16 +54,18 @@ class Autoencoder(Monitor):
 
     def _score(self, view: MonitorView) -> Tensor:
         _, device = model_dtype_device(self.module)
+        runner = view.runner(f"monitor {self.name!r}")
         parts: list[Tensor] = []
         with eval_mode(self.module), torch.no_grad():
-            for index, (x, _) in enumerate(view.batches()):
+            for batch in view.each(runner):
+                x = batch.x
                 if device is not None:
                     x = x.to(device, non_blocking=device.type != "cpu")
                 try:
                     rec = self.module(x)
                 except Exception as exc:
                     raise MetricError(
-                        f"the {self._describe()} raised {type(exc).__name__} on batch {index} (inputs of shape "
+                        f"the {self._describe()} raised {type(exc).__name__} on batch {batch.index} (inputs of shape "
                         f"{tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}, on {x.device}): "
                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. Fix: give an autoencoder "
                         f"that takes the model's inputs as they are.") from exc
@@ -77,8 +79,7 @@ class Autoencoder(Monitor):
                         f"(e.g. reshape to (N, {', '.join(str(s) for s in x.shape[1:])})).")
                 err = (rec.to(torch.float32) - x.to(torch.float32)) ** 2
                 parts.append(err.reshape(x.shape[0], -1).mean(dim=1))
-        if not parts:
-            return torch.empty(0)
+        runner.check()
         return torch.cat(parts)
 
     def _state_tensors(self) -> Iterable[Tensor]:

@@ -1,4 +1,4 @@
-"""Runtime safety monitors: the common protocol, the data view, fitting, calibration and overhead.
+"""Runtime safety monitors: the common protocol, fitting, calibration and user monitors.
 
 A *runtime monitor* watches a trained classifier in operation and raises an alarm on inputs it
 should not be trusted with (out-of-distribution inputs, faults, attacks); on an alarm the system
@@ -14,12 +14,13 @@ rejects the model's decision (Ferreira et al.; README "Runtime monitors"). Every
 :func:`fit_monitor` does 1–3 in one call: it splits the ID data (seeded) into fit rows and
 calibration rows, fits on the former and calibrates on the latter.
 
-Monitors read the model through a :class:`MonitorView`: the model's outputs and the per-neuron
+Monitors read the model through a :class:`~.view.MonitorView`: the model's outputs and the per-neuron
 features of hidden layers come from the session's
 :class:`~pytest_dnnsafety.activations.ActivationCache`, so every monitor of a session (and every
 neuron gate) on the same model and data shares one forward pass. Monitors that need more than one
-plain pass (ODIN's input perturbation, an autoencoder) read the inputs with
-:meth:`MonitorView.batches`.
+plain pass (ODIN's input perturbation, an autoencoder, a user monitor) read the inputs batch by batch
+through the view's runner (:meth:`~.view.MonitorView.each`). A sharded view (torchrun) is scored on
+this rank's batches and :meth:`Monitor.score` all-gathers the per-input scores.
 
 The calibration rule (the ``⌈accept·n⌉``-th smallest calibration score) is the standard
 split-conformal quantile without the ``(n+1)`` correction: on fresh ID data the accepted share is
@@ -32,19 +33,19 @@ from __future__ import annotations
 import abc
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ...activations import ActivationCache, ModelOutputs, _model_device
+from ...activations import ActivationCache
+from ...data import known_length
 from ...errors import ConfigError, DataError, MetricError
-from ...data import iter_batches, known_length
-from ...outputs import eval_mode
+from ..checks import check_share
+from .view import MonitorView
 
 __all__ = [
-    "MonitorView",
     "Monitor",
     "fit_monitor",
     "CustomMonitor",
@@ -55,211 +56,6 @@ __all__ = [
 #: How feature monitors assign fit inputs to classes: ``"auto"`` = the labels when the data has them, else the
 #: model's predictions; ``"label"`` = the labels (unlabelled fit data is a :class:`DataError`); ``"prediction"``.
 BY_CHOICES = ("auto", "label", "prediction")
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _check_share(value: Any, name: str, fix: str) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
-    if not ok or not 0.0 < float(value) < 1.0:
-        raise ConfigError(f"{name}={value!r} is not a number strictly between 0 and 1. Fix: {fix}")
-    return float(value)
-
-
-def check_positive(value: Any, name: str, *, allow_zero: bool = False, fix: str = "") -> float:
-    """A finite real ``> 0`` (``>= 0`` with ``allow_zero``); else :class:`ConfigError` naming ``name``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
-    if not ok or float(value) < 0 or (float(value) == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name}={value!r} must be a finite number {bound}. Fix: {fix or f'pass {name} {bound}.'}")
-    return float(value)
-
-
-def check_count(value: Any, name: str, minimum: int = 1, fix: str = "") -> int:
-    """An int ``>= minimum``; else :class:`ConfigError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        fix = fix or f"pass {name} >= {minimum}."
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}. Fix: {fix}")
-    return int(value)
-
-
-def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}. Fix: use one of "
-                          f"{', '.join(repr(c) for c in choices)}.")
-    return value
-
-
-def _device_of(model: Any, fallback: torch.device | str) -> torch.device:
-    if isinstance(model, torch.nn.Module):
-        try:
-            return _model_device(model, torch.device(fallback))
-        except Exception:  # a scripted/exported module may refuse parameters(); use the fallback
-            return torch.device(fallback)
-    return torch.device(fallback)
-
-
-# ----------------------------------------------------------------------------- the view
-
-
-class MonitorView:
-    """What a monitor may read about one data set; forward passes shared through the session ActivationCache.
-
-    ``model`` and ``data`` (any accepted data form: tensors, ``(x, y)``, a dict, a ``TensorDataset``, an
-    in-order ``DataLoader``); ``batch_size`` and ``device`` as for the neuron gates (``device`` only for a
-    model without parameters: batches go to the model's own device). ``cache``: the session's
-    :class:`~pytest_dnnsafety.activations.ActivationCache` (a private one when None). ``plan``: layers to
-    capture in the same pass as the outputs (the monitors' :meth:`Monitor.layers`). ``rows``: a subset of
-    the data's rows (1-D int64 indices; see :meth:`subset`).
-    """
-
-    def __init__(self, model: Any, data: Any, *, batch_size: int = 256, device: torch.device | str = "cpu",
-                 cache: ActivationCache | None = None, plan: Iterable[str] = (), rows: Tensor | None = None) -> None:
-        self.model = model
-        self.data = data
-        self.batch_size = check_count(batch_size, "batch_size", 1, "pass a positive batch size, e.g. 256.")
-        self.device = torch.device(device)
-        self.cache = cache if cache is not None else ActivationCache()
-        self.plan = tuple(plan)
-        self.rows: Tensor | None = None
-        self._sorted = True
-        if rows is not None:
-            rows = torch.as_tensor(rows).detach().to("cpu")
-            if rows.ndim != 1 or rows.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-                raise ConfigError(f"rows of shape {tuple(rows.shape)} and dtype {rows.dtype} are not row indices. "
-                                  f"Fix: pass a 1-D integer tensor of row indices.")
-            rows = rows.long()
-            self.rows = rows
-            self._sorted = bool((rows[1:] > rows[:-1]).all()) if rows.numel() > 1 else True
-        self._outputs: ModelOutputs | None = None
-        self._features: dict[tuple[str, str], Tensor] = {}
-
-    # -- sizes and the model's device
-
-    @property
-    def n_inputs(self) -> int:
-        if self.rows is not None:
-            return int(self.rows.numel())
-        n = known_length(self.data)
-        return int(n) if n is not None else self.outputs().n_inputs
-
-    @property
-    def model_device(self) -> torch.device:
-        return _device_of(self.model, self.device)
-
-    def _select(self, tensor: Tensor) -> Tensor:
-        return tensor if self.rows is None else tensor[self.rows.to(tensor.device)]
-
-    # -- the shared pass
-
-    def outputs(self) -> ModelOutputs:
-        """The model's :class:`~pytest_dnnsafety.activations.ModelOutputs` on the view's rows (cached pass)."""
-        if self._outputs is None:
-            out = self.cache.outputs(self.model, self.data, batch_size=self.batch_size, device=self.device,
-                                     plan=self.plan)
-            if self.rows is not None:
-                n = out.n_inputs
-                if self.rows.numel() and (int(self.rows.min()) < 0 or int(self.rows.max()) >= n):
-                    raise ConfigError(f"rows reach index {int(self.rows.max())} but the data has {n} inputs. "
-                                      f"Fix: select rows in 0..{n - 1}.")
-                out = ModelOutputs(self._select(out.predictions), self._select(out.confidence),
-                                   self._select(out.labels) if out.labels is not None else None, out.num_classes,
-                                   self._select(out.logits) if out.logits is not None else None)
-            self._outputs = out
-        return self._outputs
-
-    def logits(self) -> Tensor:
-        """``(N, K)`` float32 raw class scores on the model's device; MetricError for a label-returning model."""
-        logits = self.outputs().logits
-        if logits is None:
-            raise MetricError(
-                "the model returns class labels (shape (batch,)), not class scores, so an output-based monitor "
-                "(maximum softmax, ODIN, energy) has nothing to score. Fix: return logits (batch, classes) from "
-                "the model, or use a feature monitor (outside_the_box, activation_patterns, mahalanobis)."
-            )
-        return logits
-
-    def predictions(self) -> Tensor:
-        return self.outputs().predictions
-
-    def labels(self) -> Tensor | None:
-        return self.outputs().labels
-
-    def features(self, layer: str, reduce: str = "max") -> Tensor:
-        """``(N, c)`` per-neuron features of ``layer`` (a conv channel reduced by its spatial max or mean)."""
-        key = (layer, reduce)
-        if key not in self._features:
-            acts = self.cache.get(self.model, self.data, [layer], batch_size=self.batch_size, device=self.device,
-                                  plan=self.plan)[layer]
-            self._features[key] = self._select(acts.reduced(reduce))
-        return self._features[key]
-
-    # -- the inputs themselves
-
-    def batches(self) -> Iterator[tuple[Tensor, Tensor | None]]:
-        """``(x, y)`` batches of the view's rows, in order, on the model's device (``y`` None when unlabelled)."""
-        target = self.model_device
-        if self.rows is not None and not self._sorted:  # an arbitrary order: gather, then slice
-            x_all, y_all = self._gather()
-            for start in range(0, x_all.shape[0], self.batch_size):
-                yield (x_all[start:start + self.batch_size],
-                       y_all[start:start + self.batch_size] if y_all is not None else None)
-            return
-        start = 0
-        rows = self.rows
-        for x, y in iter_batches(self.data, self.batch_size):
-            size = int(x.shape[0])
-            if rows is not None:
-                lo = int(torch.searchsorted(rows, start))
-                hi = int(torch.searchsorted(rows, start + size))
-                local = rows[lo:hi] - start
-                start += size
-                if local.numel() == 0:
-                    continue
-                x = x[local]
-                y = y[local] if y is not None else None
-            else:
-                start += size
-            blocking = target.type == "cpu"  # a copy to the host must finish before it is read
-            yield (x.to(target, non_blocking=not blocking),
-                   y.to(target, non_blocking=not blocking).long() if y is not None else None)
-
-    def _gather(self) -> tuple[Tensor, Tensor | None]:
-        xs, ys = [], []
-        for x, y in iter_batches(self.data, self.batch_size):
-            xs.append(x)
-            if y is not None:
-                ys.append(y)
-        if not xs:
-            raise DataError("no inputs: the data set is empty. Fix: provide data with at least one sample.")
-        x_all = torch.cat(xs)
-        y_all = torch.cat(ys).long() if len(ys) == len(xs) else None
-        if self.rows is not None:
-            x_all = x_all[self.rows]
-            y_all = y_all[self.rows] if y_all is not None else None
-        target = self.model_device
-        return x_all.to(target), (y_all.to(target) if y_all is not None else None)
-
-    def inputs(self) -> Tensor:
-        """All inputs of the view's rows, concatenated, on the model's device."""
-        xs = [x for x, _ in self.batches()]
-        if not xs:
-            raise DataError("no inputs: the data set (or the selected rows) is empty. Fix: provide data with at "
-                            "least one sample.")
-        return torch.cat(xs)
-
-    def subset(self, rows: Tensor) -> MonitorView:
-        """The same data and cache restricted to ``rows`` (indices into this view's rows): no new forward pass."""
-        rows = torch.as_tensor(rows).detach().to("cpu").long()
-        absolute = self.rows[rows] if self.rows is not None else rows
-        view = MonitorView(self.model, self.data, batch_size=self.batch_size, device=self.device, cache=self.cache,
-                           plan=self.plan, rows=absolute)
-        return view
-
-    def __repr__(self) -> str:
-        rows = "all rows" if self.rows is None else f"{int(self.rows.numel())} rows"
-        return f"MonitorView({type(self.model).__name__}, {rows}, batch_size={self.batch_size})"
 
 
 # ----------------------------------------------------------------------------- the protocol
@@ -283,9 +79,9 @@ class Monitor(abc.ABC):
     kind: ClassVar[str] = "monitor"
 
     def __init__(self, *, accept: float = 0.95, calibration_share: float = 0.2, name: str | None = None) -> None:
-        self.accept = _check_share(accept, "accept", "the share of in-distribution inputs the monitor must accept, "
+        self.accept = check_share(accept, "accept", "the share of in-distribution inputs the monitor must accept, "
                                                      "e.g. accept=0.95.")
-        self.calibration_share = _check_share(
+        self.calibration_share = check_share(
             calibration_share, "calibration_share",
             "the share of the in-distribution fit data held out to calibrate the threshold, e.g. 0.2.")
         if name is None:
@@ -341,15 +137,22 @@ class Monitor(abc.ABC):
         if not self.fitted:
             raise ConfigError(f"monitor {self.name!r} is not fitted. Fix: call fit_monitor(monitor, model, id_data) "
                               f"(or monitor.fit(view)) before score.")
-        scores = self._score(view)
-        return self._check_scores(scores, view.n_inputs)
+        if view.shard is None:
+            return self._check_scores(self._score(view), view.n_inputs)
+        from ... import ranks
+        from ..states import all_gather_rows
 
-    def _check_scores(self, scores: Any, n: int) -> Tensor:
+        # Each rank scores its shard (the single-process batches); the ranks agree that all succeeded,
+        # then every rank gathers all scores, in row order (the shards are contiguous, in rank order).
+        local = ranks.together(lambda: self._check_scores(self._score(view), view.n_inputs, view.first_row))
+        return all_gather_rows(local)
+
+    def _check_scores(self, scores: Any, n: int, offset: int = 0) -> Tensor:
         scores = self._as_scores(scores, n)
         bad = ~torch.isfinite(scores)
         count = int(bad.sum())
         if count:
-            first = int(torch.nonzero(bad)[0])
+            first = int(torch.nonzero(bad)[0]) + offset
             raise MetricError(
                 f"monitor {self.name!r} returned NaN/inf scores for {count} of {n} inputs (the first is input "
                 f"{first}): an alarm decided on them would be meaningless. Fix: make the monitor's score finite "
@@ -545,7 +348,7 @@ class CustomMonitor(Monitor):
         self.obj = obj
 
     def _fit(self, view: MonitorView, generator: torch.Generator) -> None:
-        x = view.inputs()
+        x = view.inputs()  # the user's fit(model, x, y) takes the fit inputs at once (the fit data only)
         labels = view.labels()
         try:
             self.obj.fit(view.model, x, labels)
@@ -554,16 +357,16 @@ class CustomMonitor(Monitor):
                               f"make fit accept the model, the inputs (N, ...) and the labels (N,) or None.") from exc
 
     def _score(self, view: MonitorView) -> Tensor:
+        runner = view.runner(f"monitor {self.name!r}")
         parts = []
-        for x, _ in view.batches():
+        for batch in view.each(runner):
             try:
-                s = self.obj.score(view.model, x)
+                s = self.obj.score(view.model, batch.x)
             except Exception as exc:
                 raise MetricError(f"monitor {self.name!r}: its score(model, x) raised {type(exc).__name__}: {exc}. "
                                   f"Fix: return one score per input of the batch.") from exc
-            parts.append(self._as_scores(s, int(x.shape[0])).to(x.device))
-        if not parts:
-            return torch.empty(0)
+            parts.append(self._as_scores(s, batch.n).to(batch.x.device))
+        runner.check()
         return torch.cat(parts)
 
     def _config(self) -> dict[str, Any]:

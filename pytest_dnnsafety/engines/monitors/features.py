@@ -26,7 +26,8 @@ from torch import Tensor
 from ...activations import REDUCTIONS
 from ...errors import ConfigError, DataError
 from ..base import Engine
-from .base import BY_CHOICES, Monitor, MonitorView, check_choice, check_count, check_positive, fit_classes, n_classes
+from ..checks import check_choice, check_count, check_positive
+from .base import BY_CHOICES, Monitor, MonitorView, fit_classes, n_classes
 
 __all__ = ["OutsideTheBox", "ActivationPatterns", "Mahalanobis", "ClassGaussianStats", "UNSEEN_SCORE",
            "kmeans_by_class", "pack_patterns", "unpack_patterns", "hamming_distances"]

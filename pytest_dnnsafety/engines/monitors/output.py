@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from ...errors import ConfigError, MetricError
-from ...outputs import ForwardGuard, describe_model, eval_mode
+from ...outputs import describe_model, eval_mode
+from ..checks import check_positive
 from ..robustness.attacks import detect_outputs
-from .base import Monitor, MonitorView, check_positive
+from .base import Monitor, MonitorView
 
 __all__ = ["MSP", "ODIN", "Energy"]
 
@@ -110,7 +111,7 @@ class ODIN(_OutputMonitor):
     Defaults T = 1000, ε = 0.0014 (the paper's CIFAR-10 choice; tune them for your data on ID data only,
     or with a small OOD validation set as the paper did).
 
-    Batched: per batch one forward + one backward (``torch.autograd.grad`` w.r.t. the input only; the model's
+    Batched through the view's runner (:meth:`MonitorView.each`): per batch one forward + one backward (``torch.autograd.grad`` w.r.t. the input only; the model's
     parameters and their ``.grad`` are never touched) and one forward on ``x̃``, in eval mode. Differences
     from the authors' code, on purpose: a zero gradient component is not moved (``sign(0) = 0``; their code
     moved it by +ε), and the gradient is not divided by a per-channel normalisation std (the model here
@@ -137,13 +138,14 @@ class ODIN(_OutputMonitor):
                               f"torch.nn.Module.")
         if torch.is_inference_mode_enabled():
             raise self._not_differentiable(model, "it is called under torch.inference_mode()")
-        first = ForwardGuard(f"ODIN monitor {self.name!r}: model on the inputs", num_classes=self.num_classes)
-        second = ForwardGuard(f"ODIN monitor {self.name!r}: model on the perturbed inputs",
+        runner = view.runner(f"ODIN monitor {self.name!r}")
+        first = runner.guard(f"ODIN monitor {self.name!r}: model on the inputs", num_classes=self.num_classes)
+        second = runner.guard(f"ODIN monitor {self.name!r}: model on the perturbed inputs",
                               num_classes=self.num_classes)
         parts: list[Tensor] = []
         with eval_mode(model):
-            for x, _ in view.batches():
-                x = x.detach()
+            for batch in view.each(runner):
+                x = batch.x.detach()
                 if eps > 0:
                     xg = x.clone().requires_grad_(True)
                     with torch.enable_grad():
@@ -161,10 +163,7 @@ class ODIN(_OutputMonitor):
                 with torch.no_grad():
                     out = second(model, x)
                     parts.append(-torch.softmax(_as_logits(out.float(), outputs) / t, dim=1).amax(dim=1))
-        first.check()
-        second.check()
-        if not parts:
-            return torch.empty(0)
+        runner.check()
         return torch.cat(parts)
 
     def _not_differentiable(self, model: Any, why: str) -> MetricError:

@@ -14,10 +14,10 @@ import torch
 
 from ...errors import DataError
 from ...outputs import eval_mode
-from .base import Monitor, MonitorView, as_monitor, check_count
+from ..checks import check_count
+from .base import Monitor, MonitorView, as_monitor
 
 __all__ = ["Overhead", "measure_overhead"]
-
 
 
 @dataclass
@@ -42,7 +42,7 @@ def _sync(device: torch.device) -> None:
 def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -> Overhead:
     """Median wall time (``time.perf_counter``, CUDA-synchronised) of the model and of the monitor on ``view``.
 
-    Model time: forward passes over ``view.batches()`` under ``no_grad`` in eval mode. Monitor time: the
+    Model time: forward passes over the view's batches (its runner) under ``no_grad`` in eval mode. Monitor time: the
     monitor's :meth:`Monitor.score` on the view once the shared forward outputs and features are cached, i.e.
     what the monitor adds in deployment (output and feature monitors only their arithmetic; ODIN its extra
     forward+backward+forward; an autoencoder its own pass; a user monitor its whole score). One warm-up run of
@@ -56,9 +56,11 @@ def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -
     device = view.model_device
 
     def run_model() -> None:
+        runner = view.runner("monitor overhead: the model alone")
         with eval_mode(view.model), torch.no_grad():
-            for x, _ in view.batches():
-                view.model(x)
+            for batch in view.each(runner):
+                view.model(batch.x)
+        runner.check()
 
     def run_monitor() -> None:
         monitor.score(view)
