@@ -154,7 +154,29 @@ def _confidence_rows(seed: int) -> dict[str, Tensor]:
     gen = _gen(seed)
     clean = torch.rand(N, generator=gen)
     return {"p_clean": clean, "p_pert": clean[:, None] * torch.rand(N, 3, generator=gen),
-            "correct_clean": _bools(gen, N, p=0.8), "correct_pert": _bools(gen, N, 3, p=0.5)}
+            "correct_clean": _bools(gen, N, p=0.8), "correct_pert": _bools(gen, N, 3, p=0.5),
+            "labels": _ints(gen, 4, N), "inputs": torch.rand(N, 5, generator=gen)}
+
+
+def _accepts(function: Callable[..., Any], name: str) -> bool:
+    return name in inspect.signature(function).parameters
+
+
+def _confidence_engine(device: torch.device | str | None) -> Engine:
+    # n_classes (label counts) and the keyword arguments below are used where the engine takes them
+    extra = {"n_classes": 4} if _accepts(AdversarialConfidenceEngine.__init__, "n_classes") else {}
+    return AdversarialConfidenceEngine(3, device=device, **extra)
+
+
+def _confidence_args(chunk: dict[str, Tensor], start: int, trusted: bool) -> Args:
+    args = (chunk["p_clean"], chunk["p_pert"].T, chunk["correct_clean"], chunk["correct_pert"].T)
+    n, kwargs = chunk["p_clean"].shape[0], {}
+    if _accepts(AdversarialConfidenceEngine.update, "rows"):  # the global row indices, as the runner gives
+        kwargs["rows"] = torch.arange(start, start + n, device=chunk["p_clean"].device)
+    for name in ("labels", "inputs"):
+        if _accepts(AdversarialConfidenceEngine.update, name):
+            kwargs[name] = chunk[name]
+    return args, kwargs
 
 
 def _verification_rows(seed: int) -> dict[str, Tensor]:
@@ -219,11 +241,7 @@ CASES: tuple[EngineCase, ...] = (
                _performance_rows, _positional("group_index", "correct", "labels")),
     EngineCase(CellTallyEngine, lambda device: CellTallyEngine(7, 3, device=device),
                _tally_rows, _positional("cells", "predictions")),
-    EngineCase(AdversarialConfidenceEngine, lambda device: AdversarialConfidenceEngine(3, device=device),
-               _confidence_rows,
-               lambda chunk, start, trusted: ((chunk["p_clean"], chunk["p_pert"].T, chunk["correct_clean"],
-                                               chunk["correct_pert"].T), {}),
-               exact=False, why=_FLOAT_SUMS + " (the worst and per-family confidence drops); counts are exact"),
+    EngineCase(AdversarialConfidenceEngine, _confidence_engine, _confidence_rows, _confidence_args, exact=False, why=_FLOAT_SUMS + " (the worst and per-family confidence drops); counts are exact"),
     EngineCase(VerificationEngine, lambda device: VerificationEngine(0.01, method="crown", device=device),
                _verification_rows, _positional("verdicts", "margins")),
     EngineCase(ScenarioCoverageEngine,
