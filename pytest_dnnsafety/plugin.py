@@ -2,7 +2,7 @@
 
 Thin glue: settings live in :mod:`.config`, the gate mechanism and the built-in gate families in
 :mod:`.gates`, the plugin's own hooks in :mod:`.hookspecs`, the per-run state (plan, results,
-provenance, reports) in :mod:`.session`, loading in :mod:`.loading`, metrics in :mod:`.engines`,
+provenance; one class per process role) in :mod:`.session`, loading in :mod:`.loading`, metrics in :mod:`.engines`,
 rendering in :mod:`.report`. torch is imported only when a fixture or gate needs it, so a project
 that never uses the plugin pays nothing.
 
@@ -22,7 +22,7 @@ import pytest
 from .config import SETTINGS, Settings
 from .errors import DnnSafetyError
 from .gates import BUILTIN_FAMILIES, GATES, GateDef, GateRegistry
-from .session import PLUGIN_FIXTURE_SETTINGS, DnnSafetyPlugin
+from .session import PLUGIN_FIXTURE_SETTINGS, DnnSafetyPlugin, make_session
 
 __all__ = ["PLUGIN_FIXTURE_SETTINGS", "DnnSafetyPlugin", "registry"]
 
@@ -129,7 +129,8 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.validate_all()
     except DnnSafetyError as exc:
         raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
-    config.pluginmanager.register(DnnSafetyPlugin(config, settings, registry), _PLUGIN_NAME)
+    # This process's role (one process, xdist controller or worker, torchrun rank), decided once.
+    config.pluginmanager.register(make_session(config, settings, registry), _PLUGIN_NAME)
 
 
 def registry(config: pytest.Config) -> GateRegistry:

@@ -3,7 +3,8 @@
 ``torchrun --nproc-per-node N -m pytest ...`` starts N copies of the same pytest run. Each copy
 collects the same tests and runs them in the same order; the plugin then splits the expensive part
 of some gates across the copies (*ranks*) and all-reduces the engines' states
-(:meth:`~pytest_dnnsafety.engines.base.Engine.sync`), so every rank reaches the same value:
+(:meth:`~pytest_dnnsafety.engines.base.Engine.sync`), so every rank reaches the same value. A gate
+says so in its definition (:attr:`GateDef.shards <pytest_dnnsafety.gates.GateDef.shards>`), e.g.:
 
 * neuron gates (``min_neuron_k_activation``, ``max_neuron_pattern_deviation``) and
   scenario-performance gates (``min_scenario_accuracy``, ``max_scenario_degradation``): each rank
@@ -49,8 +50,8 @@ from typing import Any, Callable, TypeVar
 from .errors import ConfigError, MetricError
 from .results import GateResult
 
-__all__ = ["TIMED_MARKERS", "agree_on_verdict", "merged", "Shard", "launched", "active", "rank", "world_size", "local_rank", "is_main", "backend", "ensure_group",
-           "close", "shard", "batch_shard", "gather", "together", "describe", "TIMEOUT_ENV"]
+__all__ = ["agree_on_verdict", "merged", "Shard", "launched", "active", "rank", "world_size", "local_rank", "is_main",
+           "backend", "ensure_group", "close", "shard", "batch_shard", "gather", "together", "describe", "TIMEOUT_ENV"]
 
 #: Environment variables torchrun sets in every process it starts.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -339,19 +340,15 @@ def _same(a: Any, b: Any) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
-#: Gates whose value is a wall-clock timing of this process: under torchrun every rank adopts rank 0's result.
-#: (A gate definition can say the same with a true ``timed`` attribute.)
-TIMED_MARKERS = frozenset({"max_monitor_overhead"})
-
-
 def agree_on_verdict(result: GateResult, timed: bool = False) -> None:
     """torchrun: all ranks compare this gate's (status, value, bound); if they differ it is an error on every rank.
 
     Sharded gates all-reduce their states, the others run whole with the same seed, so the ranks
     should agree exactly; a gate that does not (its value depends on the rank, a nondeterministic
     kernel) must not pass on one rank and fail on another: every rank makes it the same ``error``,
-    naming each rank's verdict, so they all exit with the same code. A ``timed`` gate (a wall-clock
-    measurement, which no two processes repeat) takes rank 0's result on every rank instead.
+    naming each rank's verdict, so they all exit with the same code. A ``timed`` gate (its definition
+    says :attr:`~pytest_dnnsafety.gates.GateDef.timed`: a wall-clock measurement, which no two
+    processes repeat) takes rank 0's result on every rank instead.
     """
     if timed:
         first = gather(result.to_dict())[0]

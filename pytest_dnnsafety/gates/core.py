@@ -17,7 +17,7 @@ import math
 import sys
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ..config import SETTINGS, Settings, parse_setting
 from ..errors import ConfigError, DnnSafetyError, MarkerError
@@ -174,6 +174,18 @@ class GateDef:
     #: or a non-plugin fixture of that name is visible to the test (see :func:`resolve_optional`).
     #: The measure function finds the role in its fixture mapping only when it was requested.
     optional: Mapping[str, str] = field(default_factory=dict)
+    #: ``layers(options)`` -> the names (``model.named_modules()``) of the layers the gate reads from its
+    #: ``model`` and ``data`` fixtures: the session captures every declared layer of one (model, data) pair
+    #: in one forward pass (:class:`~pytest_dnnsafety.activations.ActivationCache`). None: the gate reads
+    #: no layer the session can know before it runs. Called at collection with the validated options;
+    #: raising or returning anything but strings is a collection error naming the gate.
+    layers: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
+    #: the value is a wall-clock timing of this process, which no two processes repeat: under torchrun
+    #: every rank takes rank 0's verdict (:func:`~pytest_dnnsafety.ranks.agree_on_verdict`)
+    timed: bool = False
+    #: under torchrun the gate splits its batches across the ranks and all-reduces its engine's states
+    #: (:meth:`GateContext.shard`); otherwise every rank evaluates it whole
+    shards: bool = False
 
     @property
     def regression_keyword(self) -> str:
@@ -233,7 +245,34 @@ class GateDef:
         for role, setting in self.optional.items():
             if setting not in SETTINGS:
                 out.append(f"optional role {role!r} names {setting!r}, which is not a setting")
+        if self.layers is not None and not callable(self.layers):
+            out.append(f"layers must be None or callable as layers(options) -> layer names, got {self.layers!r}")
+        for flag in ("timed", "shards"):
+            if not isinstance(getattr(self, flag), bool):
+                out.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         return out
+
+    def read_layers(self, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The layer names the declared ``layers(options)`` gives (``()`` when none is declared).
+
+        Raises :class:`GateDefinitionError` naming this gate when the function raises or gives
+        anything but an iterable of non-empty strings.
+        """
+        if self.layers is None:
+            return ()
+        fix = ("Fix the GateDef: layers(options) must return the names of the layers the gate reads (str, as in "
+               "model.named_modules()), or leave layers=None")
+        try:
+            names = self.layers(options)
+            got = (names,) if isinstance(names, str) else tuple(names)
+        except Exception as exc:  # noqa: BLE001 - the user's function: named in the error
+            raise GateDefinitionError(f"gate {self.marker!r}: its layers(options) raised {type(exc).__name__}: "
+                                      f"{exc}. {fix}") from None
+        bad = [name for name in got if not isinstance(name, str) or not name]
+        if bad:
+            raise GateDefinitionError(f"gate {self.marker!r}: its layers(options) gave {bad[0]!r}, not a layer name. "
+                                      f"{fix}")
+        return tuple(dict.fromkeys(got))
 
 
 def _caller_source(depth: int = 2) -> str:
@@ -335,6 +374,8 @@ class GateSpec:
     regression_limit: float | None = None
     #: the definition this spec was parsed against
     gate: GateDef | None = field(default=None, compare=False, repr=False)
+    #: the layers the gate reads, from its definition's ``layers(options)`` (see :attr:`GateDef.layers`)
+    layers: tuple[str, ...] = ()
 
     @property
     def definition(self) -> GateDef:
@@ -487,4 +528,8 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
     # An optional role named by keyword is requested; otherwise the plugin decides per test
     # (resolve_optional), once it knows the settings and the fixtures visible to the test.
     optional = {role: fixtures.pop(role) for role in gate.optional if role not in kwargs and role in fixtures}
-    return GateSpec(name, float(threshold), options, fixtures, overrides, optional, limit, gate)
+    try:
+        layers = gate.read_layers(options)
+    except GateDefinitionError as exc:
+        raise MarkerError(f"{where}: @pytest.mark.{name}: {exc}") from None
+    return GateSpec(name, float(threshold), options, fixtures, overrides, optional, limit, gate, layers)

@@ -106,7 +106,8 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     with ``details.error_type``, ``details.error`` and ``details.traceback`` (the last frames).
 
     With a ``baseline`` setting the measured result is then compared with the stored run
-    (:func:`_check_baseline`): a regression beyond ``max_drop``/``max_rise`` fails a passing gate.
+    (:func:`pytest_dnnsafety.report.verdict.judge`): a regression beyond ``max_drop``/``max_rise``
+    fails a passing gate.
     ``writer`` receives progress lines while the metric is measured; ``inputs`` (what the gate read)
     is recorded on the result before the baseline comparison, which uses it.
 
@@ -178,65 +179,11 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         result.passed = bool(ok)
         result.status = "passed" if ok else "failed"
         result.summary = f"{spec.marker}: {comparison}{detail}"
-    _check_baseline(result, spec, settings, cache)
+    from ..report.verdict import judge  # the baseline verdict is the report package's
+
+    judge(result, spec.regression_limit, settings, cache)
     _timed(result, start, clock)
     return result
-
-
-# ------------------------------------------------------------------------------------- baseline
-
-
-def _baseline_setting(settings: Settings) -> Any:
-    try:
-        resolved = settings.get("baseline")
-    except KeyError:  # the setting is not defined (yet) in config.py
-        return None
-    return resolved if resolved.value is not None else None
-
-
-def _load_baseline(settings: Settings, resolved: Any, cache: dict[str, Any] | None) -> Any:
-    """The stored baseline, loaded once per process (cached in the session cache); an exception if unreadable."""
-    store = cache if cache is not None else {}
-    path = settings.path(resolved)
-    key = ("baseline", str(path))
-    if key not in store:
-        try:
-            from ..report.baseline import Baseline
-
-            store[key] = Baseline.load(path)
-        except Exception as exc:  # a ConfigError naming the file, or the module is missing
-            store[key] = exc
-    return store[key]
-
-
-def _check_baseline(result: GateResult, spec: GateSpec, settings: Settings, cache: dict[str, Any] | None) -> None:
-    """Compare a measured result with the stored baseline; a regression fails a gate that had passed.
-
-    ``missing`` (no stored result) and ``inputs-changed`` (the gate read other inputs than the stored
-    run) are recorded in ``result.baseline`` and never fail the gate. A baseline that cannot be read
-    or compared makes the gate an error: the user asked for a comparison that could not be made.
-    """
-    resolved = _baseline_setting(settings)
-    if resolved is None:
-        return
-    try:
-        baseline = _load_baseline(settings, resolved, cache)
-        if isinstance(baseline, Exception):
-            raise baseline
-        from ..report.baseline import compare
-
-        comparison = compare(result, baseline.lookup(result.nodeid, result.marker), spec.regression_limit)
-    except Exception as exc:
-        message = str(exc) or repr(exc)
-        result.status, result.passed = "error", None
-        result.details["baseline_error"] = message
-        result.details["baseline_error_type"] = type(exc).__name__
-        result.summary += f"; baseline: cannot compare: {message}"
-        return
-    result.baseline = dict(comparison)
-    if comparison.get("status") == "regressed" and result.status == "passed":
-        result.status, result.passed = "failed", False
-        result.summary += f"; regression: {comparison.get('message', '')}"
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -1,6 +1,9 @@
 """Rendering of gate results: terminal section, JSON evidence file, JUnit post-processing,
 baseline comparison and the GitHub job summary.
 
+:mod:`.run` writes every output of a run from one evidence dict (the session's reporting process
+hands it its rows); :mod:`.verdict` gives a gate its baseline verdict.
+
 Reports only render :class:`~pytest_dnnsafety.results.GateResult` records; they never recompute
 a metric. Nothing here imports torch.
 """

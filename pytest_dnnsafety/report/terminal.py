@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from ..results import GateResult, format_numbers
 
-__all__ = ["header_line", "render_table", "baseline_notes", "change_cell", "VERDICTS"]
+__all__ = ["header_line", "render_table", "baseline_notes", "change_cell", "write_section", "VERDICTS"]
 
 #: status -> (verdict text, terminal markup)
 VERDICTS = {
@@ -101,3 +101,34 @@ def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[
             current = path
         out.append((line(row), markup))
     return out
+
+
+def write_section(tr: Any, rows: Sequence[GateResult], env: dict[str, Any], lost: Sequence[str], written: Any,
+                  hook_errors: Sequence[str] = ()) -> None:
+    """The ``dependability gates`` section on pytest's terminal reporter ``tr``.
+
+    ``written`` is :class:`~pytest_dnnsafety.report.run.Written` (the paths and failed writes);
+    ``hook_errors`` the ``pytest_dnnsafety_gate_result`` implementations that raised.
+    """
+    tr.write_sep("=", "dependability gates")
+    tr.write_line(header_line(env))
+    for text, markup in render_table(rows):
+        tr.write_line(text, **markup)
+    for r in rows:
+        if r.status in ("failed", "error", "inconclusive", "lost"):
+            tr.write_line(f"  {r.nodeid}: {r.summary}", red=True)
+    if lost:
+        tr.write_line(f"{len(lost)} gated test(s) never reported a result (lost: a crashed worker?); "
+                      "the run fails: " + ", ".join(lost), red=True, bold=True)
+    for line in baseline_notes(rows):
+        tr.write_line(line, yellow=True)
+    for error in written.errors:
+        tr.write_line(f"dependability evidence NOT written to {error}; the run fails", red=True, bold=True)
+    for what, path in (("dependability evidence", written.evidence_path),
+                       ("dependability report (HTML)", written.html_path), ("baseline", written.baseline_path)):
+        if path is not None:
+            tr.write_line(f"{what} written to {path}")
+    if written.step_summary_error is not None:
+        tr.write_line(f"GitHub job summary not written: {written.step_summary_error}", yellow=True)
+    for error in hook_errors:
+        tr.write_line(f"pytest_dnnsafety_gate_result raised for {error}; the run fails", red=True, bold=True)

@@ -1,0 +1,98 @@
+"""The end of a run: every output written from one evidence dict.
+
+The process that reports a run (the only process, the pytest-xdist controller, or torchrun's rank
+0) hands its gate rows here once: the JSON evidence, the HTML page and the baseline file are written
+from the same evidence dict, the GitHub job summary is appended, and the JUnit file pytest wrote
+gets the gates' properties. A failed write is recorded, never raised: the caller fails the run and
+the terminal section names the file. Nothing here imports torch or pytest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import DnnSafetyError
+from ..results import STATUSES, GateResult
+
+__all__ = ["Targets", "Written", "write_outputs", "junit_properties"]
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where this run writes its outputs (None: not asked for), checked writable when the run started."""
+
+    evidence: Path | None = None
+    html: Path | None = None
+    baseline: Path | None = None
+    #: the JUnit file pytest writes (``--junitxml``), patched with the gates' properties
+    junitxml: str | None = None
+    #: ``dnnsafety_junit_properties``: one property per gate number on each testcase too
+    junit_testcase_properties: bool = False
+    junit_prefix: str | None = None
+
+
+@dataclass
+class Written:
+    """What :func:`write_outputs` wrote: the paths, and the writes that failed."""
+
+    evidence_path: Path | None = None
+    html_path: Path | None = None
+    baseline_path: Path | None = None
+    #: ``"path: ErrorType: message"`` of each output that could not be written (the run fails)
+    errors: list[str] = field(default_factory=list)
+    #: why the GitHub job summary was not written (a warning only)
+    step_summary_error: str | None = None
+
+
+def _write_html(path: Path, evidence: dict[str, Any]) -> Path:
+    from .html import write_html  # jinja2 and matplotlib only when a page is asked for
+
+    return write_html(path, evidence)
+
+
+def junit_properties(rows: Sequence[GateResult], environment: dict[str, Any]) -> dict[str, Any]:
+    """The ``dnnsafety.*`` test-suite properties of the JUnit file: versions, device, seed, gate counts."""
+    props: dict[str, Any] = {
+        "dnnsafety.version": environment["pytest_dnnsafety"],
+        "dnnsafety.torch": environment["torch"] or "not installed",
+        "dnnsafety.device": environment["device"],
+        "dnnsafety.seed": environment["seed"],
+        "dnnsafety.gates": len(rows),
+    }
+    for status in STATUSES:
+        props[f"dnnsafety.gates_{status.replace('-', '_')}"] = sum(r.status == status for r in rows)
+    return props
+
+
+def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost: Sequence[str],
+                  targets: Targets) -> Written:
+    """Write every output of the run from one evidence dict; failures are recorded in the answer."""
+    from .baseline import save_baseline
+    from .evidence import build_evidence, write_evidence
+    from .junit import patch_junit
+    from .markdown import write_github_step_summary
+
+    written = Written()
+    evidence = build_evidence(rows, environment, lost)  # one dict for every output
+    files: list[tuple[Path | None, Callable[[Path, dict[str, Any]], Path], str]] = [
+        (targets.evidence, write_evidence, "evidence_path"),
+        (targets.html, _write_html, "html_path"),
+        (targets.baseline, save_baseline, "baseline_path"),
+    ]
+    for target, write, attribute in files:
+        if target is None:
+            continue
+        try:
+            setattr(written, attribute, write(target, evidence))
+        except (OSError, ValueError, DnnSafetyError) as exc:
+            written.errors.append(f"{target}: {type(exc).__name__}: {exc}")
+    try:
+        write_github_step_summary(rows, environment)
+    except OSError as exc:  # the job summary is a convenience: warn, never fail the gates for it
+        written.step_summary_error = f"{type(exc).__name__}: {exc}"
+    if targets.junitxml and Path(targets.junitxml).is_file():
+        patch_junit(Path(targets.junitxml), rows, junit_properties(rows, environment),
+                    testcase_properties=targets.junit_testcase_properties, prefix=targets.junit_prefix)
+    return written
