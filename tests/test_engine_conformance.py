@@ -8,7 +8,8 @@ Per engine:
 2. merge: two engines over two halves, merged, equal one engine over all;
 3. payload round trip: ``from_payload(state_payload())`` (also through ``json``) gives equal
    states and ``compute()``;
-4. reset: the default states, and fresh data then computes what a fresh engine does;
+4. reset: the default states, and fresh data then computes what a fresh engine does (also: the
+   configuration survives ``from_config(config())`` through JSON, and an empty batch changes nothing);
 5. determinism: the same inputs twice give identical states;
 6. 2-rank gloo ``sync``: each rank updates with its half and ``sync()``s; ``compute()`` equals the
    single-process result (one spawn runs every case; the assertions are per engine);
@@ -182,3 +183,13 @@ def test_no_host_sync_in_update(case: EngineCase) -> None:
                  engine=engine)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_config_round_trip_and_an_empty_batch_changes_nothing(case: EngineCase) -> None:
+    engine = case.build(None)
+    assert type(engine).from_config(json.loads(json.dumps(engine.config()))).config() == engine.config()
+    rows = case.rows(0)
+    run_rows(case, {name: t[:0] for name, t in rows.items()}, [0], engine=engine)
+    problem = _states_identical(engine, case.build(None))
+    assert problem is None, f"{case.id}: an empty batch changed the states: {problem}"
