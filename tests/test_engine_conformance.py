@@ -13,8 +13,9 @@ Per engine:
 5. determinism: the same inputs twice give identical states;
 6. 2-rank gloo ``sync``: each rank updates with its half and ``sync()``s; ``compute()`` equals the
    single-process result (one spawn runs every case; the assertions are per engine);
-7. with CUDA: CPU/CUDA parity of ``compute()`` and no host sync inside ``update`` (under
-   ``torch.cuda.set_sync_debug_mode("error")``, with the case's trusted arguments).
+7. with CUDA: CPU/CUDA parity of ``compute()`` (built on CUDA, or moved there with ``to()``) and no
+   host sync inside ``update`` (under ``torch.cuda.set_sync_debug_mode("error")``, with the case's
+   trusted arguments).
 
 Results are compared exactly, except for cases that declare float sums (``exact=False`` with the
 reason), which are compared to a relative tolerance.
@@ -167,6 +168,16 @@ def test_gloo_sync_of_two_halves_equals_one_pass(case: EngineCase, reference: di
 def test_cuda_compute_matches_cpu(case: EngineCase, reference: dict[str, Any]) -> None:
     engine = run_rows(case, case.rows(0), SPLIT, device="cuda")
     assert all(getattr(engine, name).device.type == "cuda" for name in engine.state_names)
+    _check(case, computed(engine), reference[case.id])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_an_engine_moved_to_cuda_with_to_matches_cpu(case: EngineCase, reference: dict[str, Any]) -> None:
+    """``to()`` moves the states and the configuration buffers (``_move_buffers``), half-way through too."""
+    rows = case.rows(0)
+    engine = run_rows(case, {k: t[:HALF] for k, t in rows.items()}, [HALF]).to("cuda")
+    run_rows(case, {k: t[HALF:] for k, t in rows.items()}, [N - HALF], start=HALF, device="cuda", engine=engine)
     _check(case, computed(engine), reference[case.id])
 
 
