@@ -264,6 +264,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_plainly_wrong_models_fail_one_gate_of_every_family(gate_project: GateProject, files: Path) -> None:
     families = {name.rsplit(".", 1)[1] for name in BUILTIN_FAMILIES}
     assert set(WRONG) == families, "give every built-in family a known-answer case"
