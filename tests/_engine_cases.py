@@ -353,27 +353,30 @@ def computed(engine: Engine) -> Any:
 
 
 def gloo_rank(rank: int, world: int) -> dict[str, Any]:
-    """On each of 2 gloo ranks: every case's engine updated with this rank's half, synced, computed.
+    """On each of 2 gloo ranks: every case's engine updated with this rank's rows, synced, computed.
 
-    Rank 0 takes rows ``[0, HALF)`` and rank 1 rows ``[HALF, N)`` (cat states gather in rank order).
-    An update error is recorded, and ``sync`` is still called so that the ranks' collectives stay
-    aligned for the next case.
+    Two rounds per case: ``halves`` (rank 0 takes rows ``[0, HALF)``, rank 1 rows ``[HALF, N)``; cat
+    states gather in rank order) and ``one_rank`` (rank 0 takes every row and rank 1 none, as a
+    torchrun rank left without batches). An update error is recorded, and ``sync`` is still called so
+    that the ranks' collectives stay aligned for the next round.
     """
     assert world == 2
     out: dict[str, Any] = {}
     for case in CASES:
         rows = case.rows(0)
-        lo, hi = (0, HALF) if rank == 0 else (HALF, N)
-        mine = {name: t[lo:hi] for name, t in rows.items()}
-        engine = case.build(None)
-        error = None
-        try:
-            run_rows(case, mine, [hi - lo], start=lo, engine=engine)
-        except Exception as exc:  # noqa: BLE001
-            error = f"update: {type(exc).__name__}: {exc}"
-        try:
-            engine.sync()
-        except Exception as exc:  # noqa: BLE001
-            error = error or f"sync: {type(exc).__name__}: {exc}"
-        out[case.id] = {"error": error} if error else computed(engine)
+        out[case.id] = {}
+        for name, cut in (("halves", HALF), ("one_rank", N)):
+            lo, hi = (0, cut) if rank == 0 else (cut, N)
+            engine = case.build(None)
+            error = None
+            try:
+                if hi > lo:
+                    run_rows(case, {key: t[lo:hi] for key, t in rows.items()}, [hi - lo], start=lo, engine=engine)
+            except Exception as exc:  # noqa: BLE001
+                error = f"update: {type(exc).__name__}: {exc}"
+            try:
+                engine.sync()
+            except Exception as exc:  # noqa: BLE001
+                error = error or f"sync: {type(exc).__name__}: {exc}"
+            out[case.id][name] = {"error": error} if error else computed(engine)
     return out

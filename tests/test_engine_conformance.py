@@ -12,7 +12,8 @@ Per engine:
    configuration survives ``from_config(config())`` through JSON, and an empty batch changes nothing);
 5. determinism: the same inputs twice give identical states;
 6. 2-rank gloo ``sync``: each rank updates with its half and ``sync()``s; ``compute()`` equals the
-   single-process result (one spawn runs every case; the assertions are per engine);
+   single-process result, also when one rank saw every row and the other none (one spawn runs every
+   case; the assertions are per engine); likewise a merge with an engine that saw nothing;
 7. with CUDA: CPU/CUDA parity of ``compute()`` (built on CUDA, or moved there with ``to()``) and no
    host sync inside ``update`` (under ``torch.cuda.set_sync_debug_mode("error")``, with the case's
    trusted arguments).
@@ -154,10 +155,21 @@ def gloo_results() -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_gloo_sync_of_two_halves_equals_one_pass(case: EngineCase, reference: dict[str, Any],
                                                    gloo_results: dict[str, Any]) -> None:
+    """Both rounds of :func:`_engine_cases.gloo_rank`: two halves, and every row on rank 0 (none on 1)."""
     want = json.loads(json.dumps(reference[case.id]))  # the ranks' results came through JSON too
-    for rank, got in enumerate(gloo_results[case.id]):
-        assert not (isinstance(got, dict) and set(got) == {"error"}), f"{case.id} rank {rank}: {got['error']}"
-        _check(case, got, want)
+    for rank, rounds in enumerate(gloo_results[case.id]):
+        assert set(rounds) == {"halves", "one_rank"}
+        for name, got in rounds.items():
+            assert not (isinstance(got, dict) and set(got) == {"error"}), f"{case.id} {name} rank {rank}: {got}"
+            problem = same(got, want, case.exact, case.rtol)
+            assert problem is None, f"{case.id} {name} rank {rank}: {problem}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_merge_with_an_engine_that_saw_nothing(case: EngineCase, reference: dict[str, Any]) -> None:
+    rows = case.rows(0)
+    _check(case, computed(run_rows(case, rows, SPLIT).merge(case.build(None))), reference[case.id])
+    _check(case, computed(case.build(None).merge(run_rows(case, rows, SPLIT))), reference[case.id])
 
 
 # ------------------------------------------------------------------------------------------- CUDA
