@@ -32,8 +32,8 @@ family              group    x'                                          severit
 ``zeroed_rows``     anomaly  ``k`` random rows per image set to ``lo``   ``k = ⌈p·H⌉`` (≥ 1, ≤ H − 1),
 ``copied_rows``     anomaly  ``k`` rows repeat the last kept row above   p = 5 / 10 / 20 / 30 / 50 %
 ``shifted_rows``    anomaly  ``k`` rows shifted ``±d`` px, ``lo`` fill   same k; ``d = ⌈s·W/32⌉``, s = 1/2/3/4/6
-``fgsm``            adv.     :func:`~..robustness.attacks.fgsm`, L∞      ε = 1 / 2 / 4 / 8 / 16 (/255) × w
-``pgd``             adv.     :func:`~..robustness.attacks.pgd`, L∞,      ε as fgsm [MM]
+``fgsm``            adv.     :func:`~..perturb.fgsm`, L∞                 ε = 1 / 2 / 4 / 8 / 16 (/255) × w
+``pgd``             adv.     :func:`~..perturb.pgd`, L∞,                 ε as fgsm [MM]
                              10 steps of 2.5ε/10, random start
 ==================  =======  ==========================================  ====================================
 
@@ -100,7 +100,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -410,7 +409,8 @@ def _apply(family: str, x: Tensor, severity: int, generator: torch.Generator, y:
     elif family == "speckle_noise":
         out = perturb.speckle_noise(xw, _SPECKLE_SIGMA[i], generator, clip)
     elif family == "gaussian_blur":
-        out = perturb.blur(xw, _blur_sigma(severity, h, w), generator, clip)  # radius ⌊4σ + ½⌋ (truncate = 4)
+        sigma = _blur_sigma(severity, h, w)
+        out = perturb.blur(xw, sigma, generator, clip, radius=perturb.blur_radius(sigma, _BLUR_TRUNCATE))
     elif family == "brightness":
         out = perturb.brightness(xw, _BRIGHTNESS[i] * width, generator, clip)
     elif family == "contrast":

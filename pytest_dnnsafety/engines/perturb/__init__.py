@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from .adversarial import detect_outputs, fgsm, input_gradient, log_probs, pgd
 from .common import as_images, check_clip, clamp, draw, fill_value, images, value_range
-from .geometric import blur, blur_radius, gaussian_kernel, random_rotation, rotate, translate, warp
+from .geometric import blur, blur_radius, gaussian_kernel, random_rotation, rotate, rotation_map, translate, warp
 from .noise import gaussian_noise, impulse_noise, shot_noise, speckle_noise
 from .occlusion import black_frame, copied_rows, copy_source, occlude, row_mask, shifted_rows, zeroed_rows
 from .photometric import brightness, contrast, haze, haze_field
@@ -41,7 +41,7 @@ __all__ = [
     "as_images", "check_clip", "clamp", "draw", "fill_value", "images", "value_range",
     "gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise",
     "brightness", "contrast", "haze", "haze_field",
-    "blur", "blur_radius", "gaussian_kernel", "rotate", "random_rotation", "translate", "warp",
+    "blur", "blur_radius", "gaussian_kernel", "rotate", "random_rotation", "rotation_map", "translate", "warp",
     "occlude", "black_frame", "row_mask", "copy_source", "zeroed_rows", "copied_rows", "shifted_rows",
     "fgsm", "pgd", "input_gradient", "log_probs", "detect_outputs",
 ]

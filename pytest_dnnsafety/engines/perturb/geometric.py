@@ -11,7 +11,9 @@ and device and clamping to ``clip``:
   scipy's ``⌊4σ + ½⌋`` unless given, capped at ``size − 1`` per axis;
 * :func:`rotate` / :func:`random_rotation` / :func:`translate` — bilinear ``grid_sample`` through
   an affine map (:func:`warp`), uncovered pixels filled with ``fill`` (default ``clip``'s low
-  end, 0 without one). Rotation is rigid in pixel space for non-square images too.
+  end, 0 without one). The maps are computed on the host in float64, cast to the input's dtype
+  and copied asynchronously to its device, so the same angle gives the same map on every
+  device. Rotation is rigid in pixel space for non-square images too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from .common import clamp, draw, fill_value, images
 
-__all__ = ["blur", "blur_radius", "gaussian_kernel", "random_rotation", "rotate", "translate", "warp"]
+__all__ = ["blur", "blur_radius", "gaussian_kernel", "random_rotation", "rotate", "rotation_map", "translate", "warp"]
 
 #: Below this sigma the neighbours' weight ``exp(−1/(2σ²))`` is 0 even in float64: blur is the identity.
 _MIN_SIGMA = 1e-3
@@ -76,32 +78,41 @@ def warp(imgs: Tensor, theta: Tensor, fill: float) -> Tensor:
     return F.grid_sample(imgs - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False) + fill
 
 
-def rotate(x: Tensor, degrees: float | Tensor, generator: torch.Generator | None = None,
-           clip: tuple[float, float] | None = None, *, fill: float | None = None) -> Tensor:
-    """Rotation about the image centre by ``degrees`` (a number, or one angle per input ``(N,)``); draws nothing.
+def rotation_map(degrees: float, h: int, w: int) -> list[list[float]]:
+    """The ``affine_grid`` map ``θ`` (2 × 3) of a rotation by ``degrees`` about the centre of an ``h`` × ``w`` image.
 
-    The map is computed on the input's device in its dtype (no host round trip): the rotation in
-    pixel space written in ``affine_grid``'s normalised coordinates, ``[[cos, −sin·H/W, 0],
-    [sin·W/H, cos, 0]]``.
+    The rotation in pixel space written in normalised coordinates, ``[[cos, −sin·H/W, 0],
+    [sin·W/H, cos, 0]]`` (rigid for non-square images too), computed on the host in float64.
     """
+    cos, sin = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+    return [[cos, -sin * h / w, 0.0], [sin * w / h, cos, 0.0]]
+
+
+def _maps(maps: list[list[list[float]]], like: Tensor) -> Tensor:
+    """Host-built maps as one tensor in ``like``'s dtype, copied asynchronously to its device (no wait)."""
+    return torch.tensor(maps, dtype=like.dtype).to(like.device, non_blocking=True)
+
+
+def rotate(x: Tensor, degrees: float, generator: torch.Generator | None = None,
+           clip: tuple[float, float] | None = None, *, fill: float | None = None) -> Tensor:
+    """Rotation about the image centre by ``degrees`` (:func:`rotation_map`, bilinear); draws nothing."""
     imgs = images(x, "rotation")
-    n, _, h, w = imgs.shape
-    if isinstance(degrees, Tensor):
-        angle = degrees.to(device=imgs.device, dtype=imgs.dtype).expand(n)
-    else:
-        angle = torch.full((n,), float(degrees), dtype=imgs.dtype, device=imgs.device)
-    rad = angle * (math.pi / 180.0)
-    cos, sin, zero = rad.cos(), rad.sin(), torch.zeros_like(rad)
-    theta = torch.stack((torch.stack((cos, -sin * (h / w), zero), dim=1),
-                         torch.stack((sin * (w / h), cos, zero), dim=1)), dim=1)
+    h, w = imgs.shape[-2:]
+    theta = _maps([rotation_map(float(degrees), h, w)], imgs)[0]
     return clamp(warp(imgs, theta, fill_value(clip, fill)).reshape(x.shape), clip)
 
 
 def random_rotation(x: Tensor, degrees: float, generator: torch.Generator | None = None,
                     clip: tuple[float, float] | None = None, *, fill: float | None = None) -> Tensor:
-    """:func:`rotate` by ``+degrees`` or ``−degrees``, the sign drawn per input (one ``rand(N)``: + where < ½)."""
-    sign = torch.where(draw("rand", (x.shape[0],), x, generator) < 0.5, 1.0, -1.0)
-    return rotate(x, sign * degrees, generator, clip, fill=fill)
+    """:func:`rotate` by ``+degrees`` or ``−degrees``, the sign drawn per input (one ``rand(N)``: + where < ½).
+
+    Both maps are built on the host; each input picks its own on the device (no host round trip).
+    """
+    imgs = images(x, "rotation")
+    n, _, h, w = imgs.shape
+    maps = _maps([rotation_map(float(degrees), h, w), rotation_map(-float(degrees), h, w)], imgs)
+    minus = (draw("rand", (n,), imgs, generator) >= 0.5).long()
+    return clamp(warp(imgs, maps[minus], fill_value(clip, fill)).reshape(x.shape), clip)
 
 
 def translate(x: Tensor, shift: tuple[float, float], generator: torch.Generator | None = None,
@@ -113,6 +124,5 @@ def translate(x: Tensor, shift: tuple[float, float], generator: torch.Generator 
     imgs = images(x, "translation")
     h, w = imgs.shape[-2:]
     dx, dy = (float(v) for v in shift)
-    theta = torch.tensor([[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]], dtype=imgs.dtype)
-    theta = theta.to(imgs.device, non_blocking=True)
+    theta = _maps([[[1.0, 0.0, -2 * dx / w], [0.0, 1.0, -2 * dy / h]]], imgs)[0]
     return clamp(warp(imgs, theta, fill_value(clip, fill)).reshape(x.shape), clip)
