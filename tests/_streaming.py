@@ -8,12 +8,12 @@
 * :class:`StreamNet` and :func:`stream_net`: a small classifier whose weights match the class
   templates (set, not trained: instant), confident but not saturated, so that every family
   measures a signal (occlusion, robustness) rather than a random model's noise.
-* :data:`FAMILIES`: every gate family, its markers and which data fixture its gates read;
-  :func:`write_project` writes a user project (conftest, weights, one test per gate) whose data
-  fixtures are ``DataLoader(StreamingImages(n))``; :data:`CONFTEST` sizes them from the
-  environment (``STREAM_N`` for the evaluation data, ``STREAM_N_SMALL`` for the expensive
-  families' data) and writes, at the end of the run, each process's peak RSS and the inputs each
-  data set loaded to ``$STREAM_RECORD_DIR/rank<RANK or single>.json``.
+* :data:`FAMILIES`: every gate family, its markers and which data its gates read;
+  :func:`write_project` writes a user project (conftest, one test per gate) whose data fixtures
+  are ``DataLoader(StreamingImages(n))``; :data:`CONFTEST` sizes them from the environment
+  (``STREAM_N`` for the evaluation data, ``STREAM_N_SMALL`` for the expensive families' data)
+  and writes, at the end of the run, the process's peak RSS, the inputs each data set loaded and
+  the rows each model forwarded to ``$STREAM_RECORD_DIR/rank<RANK or single>.json``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SHAPE", "TINY", "StreamingImages", "StreamNet", "stream_net", "FAMILIES", "CONFTEST", "write_project",
-           "family_of"]
+__all__ = ["SHAPE", "TINY", "StreamingImages", "StreamNet", "stream_net", "FAMILIES", "CONFTEST", "MODEL_FREE",
+           "write_project"]
 
 SHAPE = (3, 32, 32)
 TINY = (1, 8, 8)
@@ -145,11 +145,10 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
 #: Families whose gates read no model (min_scene_coverage reads the scenario table and the data's length).
 MODEL_FREE = {"coverage"}
 
-#: The project's conftest.py. ``DATA_FIXTURES`` is filled in by :func:`write_project`.
+#: The project's conftest.py; :func:`write_project` fills in ``PER_FAMILY`` (family -> kind, or empty).
 CONFTEST = '''
 import json
 import os
-import resource
 from pathlib import Path
 
 import pytest
@@ -289,15 +288,12 @@ def pytest_unconfigure(config):
         loaded = {}
         for data in DATASETS:
             loaded[data.tag] = loaded.get(data.tag, 0) + data.loaded
+        import resource  # POSIX: this process's peak resident set size, in KiB on Linux
+
         record = {"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "loaded": loaded, "rows": ROWS,
                   "n": N, "n_small": N_SMALL}
         Path(folder, "rank" + os.environ.get("RANK", "single") + ".json").write_text(json.dumps(record))
 '''
-
-
-def family_of(test_name: str) -> str:
-    """``test_<family>_<i>`` -> family."""
-    return test_name.removeprefix("test_").rsplit("_", 1)[0]
 
 
 def write_project(root: Path, families: dict[str, tuple[str, list[str]]] | None = None, *,
