@@ -97,8 +97,9 @@ def _random_batches(seed: int, batches: int = 4, n: int = 7, f: int = 3):
 def test_merge_equals_one_engine_on_all_data():
     whole, a, b = AdversarialConfidenceEngine(3), AdversarialConfidenceEngine(3), AdversarialConfidenceEngine(3)
     for i, batch in enumerate(_random_batches(0)):
-        whole.update(*batch)
-        (a if i % 2 else b).update(*batch)
+        rows = torch.arange(7 * i, 7 * i + 7)  # the inputs' indices in the data: the worst inputs' rows
+        whole.update(*batch, rows=rows)
+        (a if i % 2 else b).update(*batch, rows=rows)
     a.merge(b)
     for name, state in whole.states().items():
         torch.testing.assert_close(getattr(a, name), state, rtol=1e-12, atol=1e-12)

@@ -8,7 +8,8 @@ measurement when they name the same model, data and perturbations (one run of th
 one per gate). ``max_adversarial_confidence_loss`` is *inconclusive* when the model's clean accuracy is
 not above chance (the share of the most frequent label, by a one-sided 95 % Clopper–Pearson lower
 bound): a random-output or constant model has no true-class confidence to lose, so its loss near 0
-is no evidence of robustness. No torch import at module level.
+is no evidence of robustness. Under torchrun every gate measures its rank's shard of the batches and
+the ranks' states are all-reduced (the single-process values). No torch import at module level.
 """
 
 from __future__ import annotations
@@ -71,23 +72,23 @@ def _clip(opts: Mapping[str, Any]) -> tuple[float, float] | None:
 
 
 def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
-    """The adversarial confidence result of the gate's model, data and families (shared between gates)."""
+    """The adversarial confidence result of the gate's model, data and families (shared between gates).
+
+    Memoised by the objects (model, data, the user's family callables) and the values that set the
+    measurement; under torchrun each rank measures its shard of the batches (:meth:`GateContext.shard`).
+    """
     from ..engines.robustness.confidence import assess_adversarial_confidence
 
     families = _families(spec)
     budgets = _budgets(spec, list(families))
     opts = spec.options
-    key = ("adversarial", id(fx["model"]), id(fx["data"]), tuple(budgets.items()),
-           tuple(id(f) if not isinstance(item, str) else item for item, f in zip(opts["families"], families.values())),
-           _clip(opts), opts["outputs"], opts["steps"], ctx.seed, ctx.batch_size, ctx.device)
-    store = ctx.cache.setdefault("robustness", {})
-    if key in store:
-        return store[key][-1]
-    result = assess_adversarial_confidence(
-        fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size, device=ctx.device,
-        seed=ctx.seed, clip=_clip(opts), outputs=opts["outputs"])
-    store[key] = (fx["model"], fx["data"], result)  # keep the objects alive: their ids are in the key
-    return result
+    callables = tuple(item for item in opts["families"] if not isinstance(item, str))
+    values = (tuple(budgets.items()), tuple(item if isinstance(item, str) else None for item in opts["families"]),
+              _clip(opts), opts["outputs"], opts["steps"], ctx.seed, ctx.batch_size, ctx.device)
+    return ctx.memo("robustness.adversarial", (fx["model"], fx["data"], *callables), values, lambda: (
+        assess_adversarial_confidence(fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size,
+                                      device=ctx.device, seed=ctx.seed, clip=_clip(opts), outputs=opts["outputs"],
+                                      shard=ctx.shard(fx["data"]))))
 
 
 def _setup(spec: GateSpec) -> str:
@@ -154,14 +155,19 @@ def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
 def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
     from ..engines.robustness.verification import verify_robustness
-
-    opts = spec.options
     from ..outputs import eval_mode
 
-    with eval_mode(fx["model"]):
-        result = verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
-                                   clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
-                                   attack_steps=opts["attack_steps"])
+    opts = spec.options
+
+    def measure() -> Any:
+        with eval_mode(fx["model"]):
+            return verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
+                                     clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
+                                     attack_steps=opts["attack_steps"], shard=ctx.shard(fx["data"]))
+
+    values = (float(opts["eps"]), opts["method"], _clip(opts), opts["attack_steps"], ctx.seed, ctx.batch_size,
+              ctx.device)
+    result = ctx.memo("robustness.verified", (fx["model"], fx["data"]), values, measure)
     return Measurement(value=result.verified_share, detail=result.detail(), details=result.to_details())
 
 
@@ -228,6 +234,7 @@ MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_confidence_loss,
+    shards=True,  # each rank its share of the batches (seeded by the global batch), states all-reduced
     doc="fail if the mean over inputs of the worst family's drop in the true class's probability exceeds "
         "`threshold` (−M_adv, Cheng et al. 2018, eq. 4)",
 )
@@ -240,6 +247,7 @@ MIN_ROBUST_ACCURACY = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_robust_accuracy,
+    shards=True,  # shares the confidence-loss measurement and its shard
     doc="fail unless at least `threshold` of the inputs are classified correctly clean and under every "
         "perturbation family at its budget",
 )
@@ -260,6 +268,7 @@ MIN_VERIFIED_ROBUSTNESS = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_verified,
+    shards=True,  # each rank its share of the batches; counts, margins, counterexamples all-reduced
     doc="fail unless at least `threshold` of the inputs are verified: the true class's certified lower "
         "bound beats every other class in the whole L∞ ball of radius eps (IBP or CROWN bounds)",
 )

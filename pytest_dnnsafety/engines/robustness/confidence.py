@@ -25,11 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ... import progress
-from ...data import iter_batches, known_length
 from ...errors import ConfigError, DataError, DnnSafetyError, MetricError
 from ...outputs import ForwardGuard, eval_mode, model_dtype_device
-from ..base import Engine
+from ..base import Engine, topk
+from ..runner import Runner
 from .attacks import OUTPUTS, check_clip, detect_outputs, log_probs
 from .perturbations import family_name
 
@@ -138,15 +137,24 @@ def _json_float(value: float) -> float | str:
 class AdversarialConfidenceEngine(Engine):
     """Sums for M_adv (eq. (4)) over ``n_families`` perturbation families; see the module docstring.
 
-    States (all ``sum``): ``n``, ``clean_correct``, ``all_correct`` (int64), ``worst_drop_sum``
-    (float64), and per family ``drop_sum`` (float64), ``robust_correct`` and ``argworst`` (int64).
+    States: ``sum`` of ``n``, ``clean_correct``, ``all_correct`` (int64), ``worst_drop_sum``
+    (float64), and per family ``drop_sum`` (float64), ``robust_correct`` and ``argworst`` (int64);
+    ``label_counts`` (``sum``, one per class of ``n_classes``: the chance accuracy); the data's
+    range, for the checks after the pass: ``input_min``/``input_max`` (float64) and
+    ``label_min``/``label_max`` (int64); and ``worst``, the :data:`WORST_INPUTS` inputs with the
+    largest worst-family drop (a ``topk`` state of rows ``drop, index, family, p_clean,
+    p_perturbed``, ties broken by the input's index, so the rows kept do not depend on the batch
+    split or the ranks).
     """
 
-    def __init__(self, n_families: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, n_families: int, n_classes: int = 0, device: torch.device | str | None = None) -> None:
         super().__init__(device)
         if isinstance(n_families, bool) or not isinstance(n_families, int) or n_families < 1:
             raise ValueError(f"n_families={n_families!r}: M_adv needs at least one perturbation family")
+        if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 0:
+            raise ValueError(f"n_classes={n_classes!r} is not a count of classes (0: no label counts)")
         self.n_families = n_families
+        self.n_classes = n_classes
         i64, f64 = torch.int64, torch.float64
         self.add_state("n", torch.zeros((), dtype=i64), "sum")
         self.add_state("clean_correct", torch.zeros((), dtype=i64), "sum")
@@ -155,14 +163,23 @@ class AdversarialConfidenceEngine(Engine):
         self.add_state("robust_correct", torch.zeros(n_families, dtype=i64), "sum")
         self.add_state("all_correct", torch.zeros((), dtype=i64), "sum")
         self.add_state("argworst", torch.zeros(n_families, dtype=i64), "sum")
+        self.add_state("label_counts", torch.zeros(n_classes, dtype=i64), "sum")
+        self.add_state("input_min", torch.tensor(math.inf, dtype=f64), "min")
+        self.add_state("input_max", torch.tensor(-math.inf, dtype=f64), "max")
+        self.add_state("label_min", torch.tensor(torch.iinfo(i64).max, dtype=i64), "min")
+        self.add_state("label_max", torch.tensor(torch.iinfo(i64).min, dtype=i64), "max")
+        self.add_state("worst", torch.zeros(0, 5, dtype=f64), topk(WORST_INPUTS, key=0, tie_break=1))
 
     def config(self) -> dict[str, Any]:
-        return {"n_families": self.n_families}
+        return {"n_families": self.n_families, "n_classes": self.n_classes}
 
-    def update(self, p_clean: Tensor, p_pert: Tensor, correct_clean: Tensor, correct_pert: Tensor) -> None:
+    def update(self, p_clean: Tensor, p_pert: Tensor, correct_clean: Tensor, correct_pert: Tensor, *,
+               rows: Tensor | None = None, labels: Tensor | None = None, inputs: Tensor | None = None) -> None:
         """Fold a batch in: true-class probabilities clean ``(N,)`` and per family ``(F, N)``, and correctness.
 
-        No host synchronisation.
+        ``rows``: each input's index in the data (default: the order of arrival); ``labels``: the
+        batch's class labels (their range, and their counts with ``n_classes``); ``inputs``: the
+        batch (its range). No host synchronisation.
         """
         f = self.n_families
         if p_pert.ndim != 2 or p_pert.shape[0] != f or p_clean.shape != (p_pert.shape[1],):
@@ -172,26 +189,53 @@ class AdversarialConfidenceEngine(Engine):
             raise ValueError(f"update needs correct_clean {tuple(p_clean.shape)} and correct_pert "
                              f"{tuple(p_pert.shape)}; got {tuple(correct_clean.shape)} and {tuple(correct_pert.shape)}")
         dev = self.device
+        n = p_clean.shape[0]
+        if rows is None:
+            rows = self.n + torch.arange(n, device=dev)
         p_clean = p_clean.detach().to(dev, torch.float64)
-        drops = p_clean.unsqueeze(0) - p_pert.detach().to(dev, torch.float64)  # (F, N)
+        p_pert = p_pert.detach().to(dev, torch.float64)
+        drops = p_clean.unsqueeze(0) - p_pert  # (F, N)
         correct_clean = correct_clean.to(dev, torch.bool)
         correct_pert = correct_pert.to(dev, torch.bool)
         worst, which = drops.max(dim=0)
-        self.n = self.n + p_clean.shape[0]
+        self.n = self.n + n
         self.clean_correct = self.clean_correct + correct_clean.sum()
         self.worst_drop_sum = self.worst_drop_sum + worst.sum()
         self.drop_sum = self.drop_sum + drops.sum(dim=1)
         self.robust_correct = self.robust_correct + correct_pert.sum(dim=1)
         self.all_correct = self.all_correct + (correct_clean & correct_pert.all(dim=0)).sum()
         self.argworst = self.argworst.scatter_add(0, which, torch.ones_like(which))
+        p_worst = p_pert.gather(0, which[None]).squeeze(0)
+        self.append_state("worst", torch.stack([worst, rows.to(dev, torch.float64), which.to(torch.float64), p_clean,
+                                                p_worst], dim=1))
+        if labels is not None and labels.numel():
+            labels = labels.detach().to(dev, torch.int64)
+            self.label_min = torch.minimum(self.label_min, labels.amin())
+            self.label_max = torch.maximum(self.label_max, labels.amax())
+            if self.n_classes:
+                clamped = labels.clamp(0, self.n_classes - 1)  # an out-of-range label is the caller's error
+                self.label_counts = self.label_counts.index_add(0, clamped, torch.ones_like(clamped))
+        if inputs is not None and inputs.numel():
+            inputs = inputs.detach()
+            self.input_min = torch.minimum(self.input_min, inputs.amin().to(dev, torch.float64))
+            self.input_max = torch.maximum(self.input_max, inputs.amax().to(dev, torch.float64))
 
-    def compute(self) -> AdversarialConfidenceResult:
-        """M_adv = −(worst-drop sum)/n and the rest (one host sync). Raises MetricError without inputs."""
+    def compute(self, family_names: tuple[str, ...] | None = None) -> AdversarialConfidenceResult:
+        """M_adv = −(worst-drop sum)/n and the rest (one host sync). Raises MetricError without inputs.
+
+        ``family_names`` name the families in ``worst_inputs`` (default ``family 0``, ...);
+        ``chance_accuracy`` is filled when the engine counts labels (``n_classes``).
+        """
         n = int(self.n)
         if n == 0:
             raise MetricError("adversarial confidence loss: no inputs were folded in; M_adv (eq. 4) is a mean over "
                               "inputs. Fix: give the gate labelled evaluation data with at least one sample.")
         loss = float(self.worst_drop_sum) / n
+        names = tuple(family_names) if family_names else tuple(f"family {i}" for i in range(self.n_families))
+        drop, idx, which, pc, pp = self.worst.cpu().T.tolist() if len(self.worst) else ([],) * 5
+        worst = tuple({"index": int(i), "family": names[int(w)], "p_clean": float(c), "p_perturbed": float(p),
+                       "drop": float(d)} for d, i, w, c, p in zip(drop, idx, which, pc, pp))
+        chance = int(self.label_counts.max()) / n if self.n_classes else None
         return AdversarialConfidenceResult(
             n=n,
             m_adv=-loss,
@@ -201,6 +245,9 @@ class AdversarialConfidenceEngine(Engine):
             robust_accuracy_all=int(self.all_correct) / n,
             clean_accuracy=int(self.clean_correct) / n,
             argworst_counts=tuple(int(v) for v in self.argworst.tolist()),
+            family_names=tuple(family_names) if family_names else (),
+            worst_inputs=worst,
+            chance_accuracy=chance,
         )
 
 
@@ -250,16 +297,20 @@ def assess_adversarial_confidence(
     seed: int = 0,
     clip: tuple[float, float] | None = None,
     outputs: str = "auto",
+    shard: Any = None,
 ) -> AdversarialConfidenceResult:
     """M_adv (eq. (4)) of ``model`` on labelled ``data`` under ``families`` (name → ``f(model, x, y, eps, gen)``).
 
-    Batches go to the model's device (``device`` for a model without parameters); the model runs
-    in eval mode (its mode is restored afterwards). Per batch: one clean forward, then per family a
-    generator seeded from ``(seed, family index, batch index)``, the family's output (same shape as
-    ``x``, finite, clamped to ``clip``) and one forward on it. Every model query goes through a
+    Measured through a :class:`~pytest_dnnsafety.engines.runner.Runner`: batches go to the model's
+    device (``device`` for a model without parameters); the model runs in eval mode (its mode is
+    restored afterwards). Per batch: one clean forward, then per family a generator seeded from
+    ``(seed, family index, global batch index)``, the family's output (same shape as ``x``, finite,
+    clamped to ``clip``) and one forward on it. Every model query goes through a
     :class:`ForwardGuard`. ``outputs="auto"`` detects logits vs probabilities on the first batch.
-    No host synchronisation per batch: the data range, label range, family outputs' finiteness
-    and the guards are checked once after the loop.
+    No host synchronisation per batch: the families' finiteness, the guards, the data's range and
+    the labels' range are checked once after the loop. ``shard``: this torchrun rank's
+    :class:`~pytest_dnnsafety.ranks.Shard` of the batches (None: all of them); the ranks' states
+    are all-reduced, so every rank gets the single-process result.
     """
     if not isinstance(families, Mapping) or not families:
         raise ConfigError("adversarial confidence: no perturbation families given. Fix: name at least one, e.g. "
@@ -278,99 +329,70 @@ def assess_adversarial_confidence(
         raise ConfigError(f"adversarial confidence: batch_size={batch_size!r} is not a positive integer.")
     _, model_device = model_dtype_device(model)
     target = model_device if model_device is not None else torch.device(device)
-    nf = len(fams)
     # the sums are float64, which MPS lacks: there they live on the CPU (one copy per batch)
     acc = torch.device("cpu") if target.type == "mps" else target
-    engine = AdversarialConfidenceEngine(nf, device=acc)
-    clean_guard = ForwardGuard("adversarial confidence: model on clean inputs")
-    guards = [ForwardGuard(f"adversarial confidence: model on {name!r} perturbations (eps={e:g})")
+    runner = Runner("adversarial confidence", device=target, batch_size=batch_size, shard=shard)
+    clean_guard = runner.guard("adversarial confidence: model on clean inputs")
+    guards = [runner.guard(f"adversarial confidence: model on {name!r} perturbations (eps={e:g})")
               for name, e in zip(names, budgets)]
-    resolved = None if outputs == "auto" else outputs
-    lo = hi = y_lo = y_hi = label_counts = None
-    nonfinite = torch.zeros(nf, dtype=torch.int64, device=target)
-    first_bad = torch.full((nf,), -1, dtype=torch.int64, device=target)
-    top = None  # (drop, index, family, p_clean, p_pert), up to WORST_INPUTS, on the device
-    total, done, batches = known_length(data) or 0, 0, 0
+    # the engine counts labels per class, so it is built on the first batch (when the model's classes are known)
+    state: dict[str, Any] = {"outputs": None if outputs == "auto" else outputs, "engine": None}
+
+    def step(batch: Any) -> None:
+        x, y = batch.x, batch.y
+        if y is None:
+            raise DataError("adversarial confidence: the data have no labels; M_adv (eq. 4) measures the drop in "
+                            "the true class's probability. Fix: give labelled data (x, y).")
+        if y.dim() != 1:
+            raise DataError(f"adversarial confidence: labels of shape {tuple(y.shape)} for inputs of shape "
+                            f"{tuple(x.shape)}; expected one class index per input.")
+        with torch.no_grad():
+            out = clean_guard(model, x)
+        if state["outputs"] is None:
+            state["outputs"] = detect_outputs(out)
+        resolved = state["outputs"]
+        classes = out.shape[1]
+        if state["engine"] is None:
+            state["engine"] = AdversarialConfidenceEngine(len(fams), n_classes=classes, device=acc)
+        ys = y.clamp(0, classes - 1)  # an out-of-range label is reported after the loop
+        with torch.no_grad():
+            p_clean = log_probs(out, resolved).gather(1, ys[:, None]).squeeze(1).exp()
+            correct_clean = out.argmax(dim=1) == y
+        p_pert, correct_pert = [], []
+        for i, (name, fam) in enumerate(zip(names, fams)):
+            gen = torch.Generator().manual_seed(_family_seed(seed, i, batch.index))
+            xp = _run_family(fam, name, model, x, ys, budgets[i], gen, guards[i], resolved)
+            runner.flag(f"family {i}", ~torch.isfinite(xp), batch,
+                        f"adversarial confidence: perturbation family {name!r} returned NaN/inf values in {{count}} "
+                        "batch(es), the first being batch {first}. Fix: the family must return finite inputs (check "
+                        "a user-written transformer for divisions by zero or log of 0).")
+            if clip is not None:
+                xp = xp.clamp(clip[0], clip[1])
+            with torch.no_grad():
+                po = guards[i](model, xp)
+                p_pert.append(log_probs(po, resolved).gather(1, ys[:, None]).squeeze(1).exp())
+                correct_pert.append(po.argmax(dim=1) == y)
+        state["engine"].update(p_clean, torch.stack(p_pert), correct_clean, torch.stack(correct_pert),
+                               rows=batch.rows, labels=y, inputs=x)
+
     with eval_mode(model):
-        for b, (x, y) in enumerate(iter_batches(data, batch_size)):
-            if y is None:
-                raise DataError("adversarial confidence: the data have no labels; M_adv (eq. 4) measures the drop in "
-                                "the true class's probability. Fix: give labelled data (x, y).")
-            if y.shape != (x.shape[0],):
-                raise DataError(f"adversarial confidence: labels of shape {tuple(y.shape)} for inputs of shape "
-                                f"{tuple(x.shape)}; expected one class index per input.")
-            # asynchronous copies towards an accelerator (a device-to-host copy must stay blocking)
-            x = x.to(target, non_blocking=target.type != "cpu")
-            if not x.is_floating_point():
-                x = x.to(torch.float32)
-            y = y.to(target, torch.int64, non_blocking=target.type != "cpu")
-            n = x.shape[0]
-            # running ranges, checked after the loop (one host sync)
-            xmin, xmax, ymin, ymax = x.amin(), x.amax(), y.amin(), y.amax()
-            lo = xmin if lo is None else torch.minimum(lo, xmin)
-            hi = xmax if hi is None else torch.maximum(hi, xmax)
-            y_lo = ymin if y_lo is None else torch.minimum(y_lo, ymin)
-            y_hi = ymax if y_hi is None else torch.maximum(y_hi, ymax)
-            with torch.no_grad():
-                out = clean_guard(model, x)
-            if resolved is None:
-                resolved = detect_outputs(out)
-            classes = out.shape[1]
-            ys = y.clamp(0, classes - 1)  # an out-of-range label is reported after the loop
-            if label_counts is None:  # per-class label counts: the chance accuracy, read after the loop
-                label_counts = torch.zeros(classes, dtype=torch.int64, device=target)
-            label_counts.index_add_(0, ys, torch.ones_like(ys))
-            with torch.no_grad():
-                p_clean = log_probs(out, resolved).gather(1, ys[:, None]).squeeze(1).exp()
-                correct_clean = out.argmax(dim=1) == y
-            p_pert, correct_pert = [], []
-            for i, (name, fam) in enumerate(zip(names, fams)):
-                gen = torch.Generator().manual_seed(_family_seed(seed, i, b))
-                xp = _run_family(fam, name, model, x, ys, budgets[i], gen, guards[i], resolved)
-                bad = (~torch.isfinite(xp)).any()
-                nonfinite[i] += bad.to(torch.int64)
-                first_bad[i] = torch.where(bad & (first_bad[i] < 0), torch.full_like(first_bad[i], b), first_bad[i])
-                if clip is not None:
-                    xp = xp.clamp(clip[0], clip[1])
-                with torch.no_grad():
-                    po = guards[i](model, xp)
-                    p_pert.append(log_probs(po, resolved).gather(1, ys[:, None]).squeeze(1).exp())
-                    correct_pert.append(po.argmax(dim=1) == y)
-            pp = torch.stack(p_pert)
-            engine.update(p_clean, pp, correct_clean, torch.stack(correct_pert))
-            top = _merge_top(top, p_clean.detach().to(acc), pp.detach().to(acc), done)
-            done += n
-            batches += 1
-            progress.tick(done, total, "inputs")
-    if batches == 0 or done == 0:
-        raise DataError("adversarial confidence: no inputs: the data set is empty. Fix: provide labelled evaluation "
-                        "data with at least one sample.")
-    # one host sync for all the after-the-loop checks
-    checks = torch.stack([lo.to(torch.float64), hi.to(torch.float64), y_lo.to(torch.float64),
-                          y_hi.to(torch.float64)]).tolist()
-    x_lo, x_hi, lab_lo, lab_hi = checks
+        runner.run(data, step)
+    engine: AdversarialConfidenceEngine = state["engine"]  # built: an empty pass raised in run
+    if shard is not None:  # built on the first batch, so run() cannot sync it; every rank has a batch
+        engine.sync()
+    # one host sync for the checks of the data's range (all ranks' data under a shard)
+    x_lo, x_hi, lab_lo, lab_hi = torch.stack([engine.input_min, engine.input_max, engine.label_min.double(),
+                                              engine.label_max.double()]).tolist()
     if clip is not None and not (x_lo >= clip[0] and x_hi <= clip[1]):
         raise DataError(f"adversarial confidence: the data lie in [{x_lo:g}, {x_hi:g}], outside the valid input range "
                         f"clip=({clip[0]:g}, {clip[1]:g}); the perturbations are clamped to that range, so they would "
                         f"move inputs beyond ε. Fix: scale the data into the range or set the clip range to the "
                         f"data's.")
-    classes = clean_guard.num_classes or 0
+    classes = engine.n_classes
     if lab_lo < 0 or lab_hi >= classes:
         raise DataError(f"adversarial confidence: labels range over [{int(lab_lo)}, {int(lab_hi)}] but the model has "
                         f"{classes} classes. Fix: give class indices 0..{classes - 1}.")
-    bad_counts, first = nonfinite.tolist(), first_bad.tolist()
-    for name, count, at in zip(names, bad_counts, first):
-        if count:
-            raise MetricError(f"adversarial confidence: perturbation family {name!r} returned NaN/inf values in "
-                              f"{count} batch(es), the first being batch {at}. Fix: the family must return finite "
-                              f"inputs (check a user-written transformer for divisions by zero or log of 0).")
-    clean_guard.check()
-    for guard in guards:
-        guard.check()
-    result = engine.compute()
-    chance = int(label_counts.max()) / result.n if label_counts is not None else None
-    return replace(result, family_names=tuple(names), eps=tuple(budgets), worst_inputs=_worst_list(top, names),
-                   chance_accuracy=chance)
+    return replace(engine.compute(tuple(names)), eps=tuple(budgets))
 
 
 def _run_family(fam: Any, name: str, model: Any, x: Tensor, y: Tensor, eps: float, gen: torch.Generator,
@@ -394,27 +416,3 @@ def _run_family(fam: Any, name: str, model: Any, x: Tensor, y: Tensor, eps: floa
                           f"inputs of shape {tuple(x.shape)}. Fix: return one perturbed input per input, in x's "
                           f"shape.")
     return xp.detach().to(device=x.device, dtype=x.dtype)
-
-
-def _merge_top(top: tuple[Tensor, ...] | None, p_clean: Tensor, p_pert: Tensor, offset: int) -> tuple[Tensor, ...]:
-    """Merge this batch's per-input worst drops into the running top-k (on the device, no host sync)."""
-    drops = p_clean.unsqueeze(0).to(torch.float64) - p_pert.to(torch.float64)
-    worst, which = drops.max(dim=0)
-    n = worst.shape[0]
-    idx = torch.arange(offset, offset + n, device=worst.device)
-    pp = p_pert.to(torch.float64).gather(0, which[None]).squeeze(0)
-    batch = (worst, idx, which, p_clean.to(torch.float64), pp)
-    if top is not None:
-        batch = tuple(torch.cat([a, b]) for a, b in zip(top, batch))
-    values = torch.nan_to_num(batch[0], nan=float("-inf"))
-    k = min(WORST_INPUTS, values.shape[0])
-    keep = values.topk(k).indices
-    return tuple(t[keep] for t in batch)
-
-
-def _worst_list(top: tuple[Tensor, ...] | None, names: list[str]) -> tuple[dict[str, Any], ...]:
-    if top is None:
-        return ()
-    drop, idx, which, pc, pp = (t.tolist() for t in top)
-    return tuple({"index": int(i), "family": names[int(w)], "p_clean": float(c), "p_perturbed": float(p),
-                  "drop": float(d)} for d, i, w, c, p in zip(drop, idx, which, pc, pp))

@@ -14,7 +14,8 @@ For every labelled input ``x`` the runner :func:`verify_robustness` gives one of
 Verified and falsified are disjoint by construction; an input that is both would mean unsound
 bounds, and raises an internal :class:`~pytest_dnnsafety.errors.MetricError` rather than report
 anything. :class:`VerificationEngine` counts the verdicts (sum states: they merge across workers
-and ranks) and turns them into a :class:`VerificationResult`; its ``verified_share`` is the value
+and ranks), keeps the margins and the first counterexamples, and turns them into a
+:class:`VerificationResult`; its ``verified_share`` is the value
 a gate compares with its threshold.
 
 Pure torch; no pytest import.
@@ -30,11 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import progress
-from ...data import iter_batches, known_length
 from ...errors import ConfigError, DataError, MetricError
-from ...outputs import ForwardGuard, model_dtype_device
-from ..base import Engine
+from ...outputs import model_dtype_device
+from ..base import Engine, topk
+from ..runner import Runner
 from .attacks import check_clip
 
 __all__ = ["UNKNOWN", "VERIFIED", "FALSIFIED", "METHODS", "VerificationEngine", "VerificationResult",
@@ -46,16 +46,6 @@ UNKNOWN, VERIFIED, FALSIFIED = 0, 1, 2
 METHODS = ("crown", "ibp")
 #: At most this many counterexamples are kept in a result.
 MAX_COUNTEREXAMPLES = 5
-#: verify_robustness's input checks: raised at their batch (True) or read once after the loop (False); None: at
-#: their batch on the CPU only, where reading a value costs no synchronisation.
-_EAGER_CHECKS: bool | None = None
-
-# Bins of the certified-margin histogram (for the median of a merged engine): ±10^-6 … ±10^4,
-# 40 bins per decade (±3% of the value), with under/overflow bins at both ends.
-_MAGNITUDES = torch.logspace(-6, 4, 401, dtype=torch.float64)
-_EDGES = torch.cat([-_MAGNITUDES.flip(0), torch.zeros(1, dtype=torch.float64), _MAGNITUDES])
-
-
 def _check_eps(eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ConfigError(f"eps={eps!r} is not a positive finite L∞ radius. Fix: give the perturbation budget in "
@@ -79,8 +69,8 @@ class VerificationResult:
     from the first input of the data; ``source`` is ``"clean"`` for a misclassified input, ``"pgd"``
     for an attack point); ``counterexample_inputs`` holds the points themselves (CPU tensors, one
     per dict; not compared, not in :meth:`to_details`). ``margin_min``/``margin_median``: of the
-    certified lower bound of ``min_{j≠y} z_y − z_j`` per input (positive ⇔ verified; from a
-    merged engine the median is a binned estimate within ±3%).
+    certified lower bound of ``min_{j≠y} z_y − z_j`` per input (positive ⇔ verified; the median is
+    the lower median).
     """
 
     n: int
@@ -143,29 +133,40 @@ class VerificationResult:
 
 
 class VerificationEngine(Engine):
-    """Counts of verified / falsified / unknown inputs (int64 ``sum`` states) and the certified margins.
+    """Counts of verified / falsified / unknown inputs (int64 ``sum`` states), margins and counterexamples.
 
     ``update(verdicts, margins=None)``: ``verdicts`` a 1-D integer tensor of :data:`VERIFIED`,
     :data:`FALSIFIED`, :data:`UNKNOWN` codes; ``margins`` the certified margin lower bound per
-    input (for ``margin_min``, a ``min`` state, and the median's histogram). No host sync.
+    input, kept per input (a ``cat`` state of float64, 8 bytes an input: their minimum and exact
+    lower median). :meth:`observe` folds in a batch's data checks (``label_min``/``label_max``,
+    ``outside_clip``, read after the pass), :meth:`add_counterexamples` its falsified inputs: the
+    first :data:`MAX_COUNTEREXAMPLES` by index are kept (a ``topk`` state keyed by the index, so the
+    rows kept do not depend on the batch split or the ranks), with their points when the engine
+    knows the ``input_shape``. No host sync in any of them.
     """
 
-    def __init__(self, eps: float, method: str = "crown", device: torch.device | str | None = None) -> None:
+    def __init__(self, eps: float, method: str = "crown", device: torch.device | str | None = None,
+                 input_shape: tuple[int, ...] | list[int] | None = None) -> None:
         super().__init__(device)
         self.eps = _check_eps(eps)
         self.method = _check_method(method)
+        self.input_shape = None if input_shape is None else tuple(int(s) for s in input_shape)
+        width = 5 + (math.prod(self.input_shape) if self.input_shape is not None else 0)
         zero = torch.zeros((), dtype=torch.int64)
-        for name in ("verified", "falsified", "unknown", "n"):
+        for name in ("verified", "falsified", "unknown", "n", "outside_clip"):
             self.add_state(name, zero, "sum")
-        self.add_state("margin_min", torch.tensor(math.inf, dtype=torch.float64), "min")
-        self.add_state("margin_hist", torch.zeros(_EDGES.numel() + 1, dtype=torch.int64), "sum")
-        self._edges = _EDGES.to(self.device)
-
-    def _move_buffers(self, device: torch.device) -> None:
-        self._edges = self._edges.to(device)
+        self.add_state("margins", torch.zeros(0, dtype=torch.float64), "cat")
+        self.add_state("label_min", torch.tensor(torch.iinfo(torch.int64).max), "min")
+        self.add_state("label_max", torch.tensor(torch.iinfo(torch.int64).min), "max")
+        # rows: index (inf for an input not falsified), label, predicted, clean (0/1), L∞ distance, the point
+        self.add_state("examples", torch.zeros(0, width, dtype=torch.float64),
+                       topk(MAX_COUNTEREXAMPLES, key=0, largest=False))
 
     def config(self) -> dict[str, Any]:
-        return {"eps": self.eps, "method": self.method}
+        config: dict[str, Any] = {"eps": self.eps, "method": self.method}
+        if self.input_shape is not None:
+            config["input_shape"] = list(self.input_shape)
+        return config
 
     def update(self, verdicts: Tensor, margins: Tensor | None = None) -> None:  # type: ignore[override]
         verdicts = torch.as_tensor(verdicts)
@@ -178,30 +179,34 @@ class VerificationEngine(Engine):
         self.unknown = self.unknown + (verdicts == UNKNOWN).sum()
         self.n = self.n + verdicts.numel()
         if margins is not None:
-            margins = torch.as_tensor(margins).detach().to(self.device, torch.float64,
-                                                           non_blocking=self.device.type != "cpu").reshape(-1)
+            margins = torch.as_tensor(margins).detach().reshape(-1)
             if margins.numel() != verdicts.numel():
                 raise MetricError(f"{margins.numel()} margins for {verdicts.numel()} verdicts")
-            if margins.numel():
-                self.margin_min = torch.minimum(self.margin_min, margins.min())
-                bins = torch.bucketize(margins, self._edges)
-                # a fixed-size histogram: torch.bincount would read the largest bin on the host (a sync on CUDA)
-                hist = torch.zeros_like(self.margin_hist).index_add_(0, bins, torch.ones_like(bins))
-                self.margin_hist = self.margin_hist + hist
+            self.append_state("margins", margins.to(torch.float64))
 
-    def _median_estimate(self) -> float:
-        hist = self.margin_hist.cpu()
-        total = int(hist.sum())
-        if total == 0:
-            return math.nan
-        b = int(torch.searchsorted(hist.cumsum(0), (total + 1) // 2))  # bin of the lower median
-        edges = _EDGES.tolist()
-        if b == 0 or b == len(edges):  # outside ±10^4: the edge
-            return edges[0] if b == 0 else edges[-1]
-        lo, hi = edges[b - 1], edges[b]
-        if lo == 0.0 or hi == 0.0:
-            return 0.0
-        return math.copysign(math.sqrt(lo * hi), hi)
+    def observe(self, labels: Tensor, outside_clip: Tensor) -> None:
+        """A batch's data checks: its labels (their range) and how many input values lie outside ``clip``."""
+        labels = labels.detach().to(self.device, torch.int64)
+        if labels.numel():
+            self.label_min = torch.minimum(self.label_min, labels.amin())
+            self.label_max = torch.maximum(self.label_max, labels.amax())
+        self.outside_clip = self.outside_clip + outside_clip.to(self.device, torch.int64)
+
+    def add_counterexamples(self, index: Tensor, falsified: Tensor, labels: Tensor, predicted: Tensor,
+                            clean: Tensor, distance: Tensor, points: Tensor) -> None:
+        """Offer a batch's inputs: those ``falsified`` compete, by ``index``, for the kept counterexamples.
+
+        ``index``: each input's index in the data; ``clean``: misclassified as it is (else the
+        point was found by the attack); ``distance``: L∞ from the input to ``points``.
+        """
+        key = torch.where(falsified, index.to(torch.float64), torch.full_like(index, math.inf, dtype=torch.float64))
+        pick = key.topk(min(MAX_COUNTEREXAMPLES, key.shape[0]), largest=False).indices  # the batch's first ones
+        columns = [key, labels.to(torch.float64), predicted.to(torch.float64), clean.to(torch.float64),
+                   distance.to(torch.float64)]
+        rows = torch.stack([c[pick] for c in columns], dim=1)
+        if self.input_shape is not None:
+            rows = torch.cat([rows, points[pick].detach().flatten(1).to(torch.float64)], dim=1)
+        self.append_state("examples", rows)
 
     def compute(self) -> VerificationResult:
         n = int(self.n)
@@ -211,14 +216,19 @@ class VerificationEngine(Engine):
         if verified + falsified + unknown != n:
             raise MetricError(f"certified robustness: {n - verified - falsified - unknown} of {n} verdict codes are "
                               f"not {UNKNOWN}/{VERIFIED}/{FALSIFIED}")
-        margin_min = float(self.margin_min)
+        margins = self.margins.cpu()
+        margin_min = float(margins.min()) if margins.numel() else math.nan
+        rows = self.examples.cpu()
+        rows = rows[torch.isfinite(rows[:, 0])]
+        listed = tuple({"index": int(i), "label": int(label), "predicted": int(p), "linf_distance": float(d),
+                        "source": "clean" if c else "pgd"} for i, label, p, c, d in rows[:, :5].tolist())
+        points = () if self.input_shape is None else tuple(row[5:].reshape(self.input_shape) for row in rows)
         return VerificationResult(
             n=n, verified=verified, falsified=falsified, unknown=unknown, verified_share=verified / n,
             method=self.method, eps=self.eps, margin_min=margin_min if math.isfinite(margin_min) else math.nan,
-            margin_median=self._median_estimate(),
+            margin_median=float(margins.median()) if margins.numel() else math.nan,  # the lower median
+            counterexamples=listed, counterexample_inputs=points,
         )
-
-
 
 
 def _check_int(name: str, value: Any, least: int) -> int:
@@ -238,33 +248,36 @@ def verify_robustness(
     device: torch.device | str = "cpu",
     seed: int | None = 0,
     attack_steps: int = 20,
+    shard: Any = None,
 ) -> VerificationResult:
     """Verify L∞ robustness at ``eps`` of every labelled input of ``data`` (see the module docstring).
 
-    Per batch (from :func:`~pytest_dnnsafety.data.iter_batches`; labels required): a clean
-    forward pass through a :class:`~pytest_dnnsafety.outputs.ForwardGuard` (a misclassified input
-    is falsified, itself the counterexample); certified margin lower bounds over
-    ``[x − ε, x + ε] ∩ clip`` by ``method``; the inputs left undecided are attacked with PGD on the
-    margin loss (``attack_steps`` steps, random start seeded with ``seed + batch index``), and an
-    attack point predicted as another class (checked by a forward pass) falsifies its input.
-    ``device`` is used only for a model without parameters (the model's own device wins).
+    Measured through a :class:`~pytest_dnnsafety.engines.runner.Runner` (labels required). Per
+    batch: a clean forward pass through a :class:`~pytest_dnnsafety.outputs.ForwardGuard` (a
+    misclassified input is falsified, itself the counterexample); certified margin lower bounds
+    over ``[x − ε, x + ε] ∩ clip`` by ``method``; the inputs left undecided are attacked with PGD
+    on the margin loss (``attack_steps`` steps, random start seeded with ``seed + global batch
+    index``), and an attack point predicted as another class (checked by a forward pass)
+    falsifies its input. ``device`` is used only for a model without parameters (the model's own
+    device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the
+    batches (None: all of them); the ranks' states are all-reduced, so every rank gets the
+    single-process result.
 
     Host synchronisation: on an accelerator each batch synchronises once to select the undecided
     inputs (their count sizes the PGD batch, which spares the attack on every verified or
     misclassified input), and with ``method="crown"`` CROWN reads its counts of unstable neurons
     a few times (see :data:`~pytest_dnnsafety.engines.robustness.bounds_crown.HOST_SIZING`; with
-    it ``False``, or with ``"ibp"``, the selection is the only one). Every check (inputs inside
-    ``clip``, finite boxes, labels in range, sound bounds) is kept on the device and read once
-    after the loop, the earliest failing batch reported as it would have been had the loop
-    stopped there. On the CPU the input checks raise at their batch.
+    it ``False``, or with ``"ibp"``, the selection is the only one). Every check (finite inputs,
+    inputs inside ``clip``, labels in range, sound bounds) is kept on the device and read once
+    after the loop, on every device alike (so the CPU and an accelerator raise the same error).
 
     Raises :class:`ConfigError` for a bad ``eps`` (≤ 0, NaN, inf), ``method``, ``clip``,
     ``batch_size``, ``seed`` or ``attack_steps``; :class:`DataError` for unlabelled or empty data,
-    labels out of range, inputs outside ``clip``;
+    NaN/inf inputs, labels out of range, inputs outside ``clip``;
     :class:`~pytest_dnnsafety.engines.robustness.bounds.UnsupportedLayerError` for a model the
     bounds cannot handle; :class:`MetricError` when the model fails or returns NaN/inf.
     """
-    from .bounds import BoundedModel, box_problems, input_box, outside_clip, outside_clip_error
+    from .bounds import BoundedModel, input_box, outside_clip, outside_clip_error
 
     eps = _check_eps(eps)
     method = _check_method(method)
@@ -275,54 +288,46 @@ def verify_robustness(
     bounded = BoundedModel(model)
     dtype, model_device = model_dtype_device(model)
     target = model_device or torch.device(device)
-    engine = VerificationEngine(eps, method, device=target)
-    guard = ForwardGuard("certified robustness: model on the inputs")
-    attack_guard = ForwardGuard("certified robustness: model on PGD attack points")
-    margins_seen: list[Tensor] = []
-    # Checks and counterexamples stay on the device inside the loop (read once after it):
-    # the first batch with a label out of range / with certified margins above the model's own.
-    bad_labels = torch.full((), -1, dtype=torch.int64, device=target)
-    unsound = torch.full((), -1, dtype=torch.int64, device=target)
-    overlap = torch.zeros((), dtype=torch.bool, device=target)
-    # On an accelerator the input checks are deferred too (a host read per batch would be a sync): the first
-    # batch with values outside clip (and how many), the first with a NaN/inf box. On the CPU they raise at once.
-    eager = target.type == "cpu" if _EAGER_CHECKS is None else _EAGER_CHECKS
-    bad_clip = torch.full((), -1, dtype=torch.int64, device=target)
-    bad_clip_count = torch.zeros((), dtype=torch.int64, device=target)
-    bad_box = torch.full((), -1, dtype=torch.int64, device=target)
-    examples: dict[str, Tensor] | None = None  # the first MAX_COUNTEREXAMPLES falsified inputs
-    n_classes = 0
-    y_lo = y_hi = None
-    total, done = known_length(data) or 0, 0
-    for index, (x, y) in enumerate(iter_batches(data, batch_size)):
+    runner = Runner("certified robustness", device=target, batch_size=batch_size, shard=shard)
+    guard = runner.guard("certified robustness: model on the inputs")
+    attack_guard = runner.guard("certified robustness: model on PGD attack points")
+    # the engine keeps the counterexamples' points, so it is built on the first batch (when their shape is known)
+    state: dict[str, Any] = {"engine": None, "dtype": None}
+
+    def step(batch: Any) -> None:
+        x, y = batch.x, batch.y
         if y is None:
             raise DataError("certified robustness needs labelled data (x, y): the data has no labels. Fix: give "
                             "(inputs, labels) pairs, a TensorDataset with labels, or {'x': ..., 'y': ...}.")
-        if y.shape != (x.shape[0],) or y.is_floating_point() or y.is_complex():
+        if y.dim() != 1:
             raise DataError(f"certified robustness needs one integer class label per input; got labels of shape "
-                            f"{tuple(y.shape)} ({y.dtype}) for inputs of shape {tuple(x.shape)}.")
-        x = x.to(target, dtype or (x.dtype if x.is_floating_point() else torch.float32), non_blocking=not eager)
-        y = y.to(target, torch.int64, non_blocking=not eager)
+                            f"{tuple(y.shape)} for inputs of shape {tuple(x.shape)}.")
+        if dtype is not None:
+            x = x.to(dtype)
+        if state["engine"] is None:
+            state["engine"] = VerificationEngine(eps, method, device=target, input_shape=tuple(x.shape[1:]))
+            state["dtype"] = x.dtype
+        engine: VerificationEngine = state["engine"]
         with torch.no_grad():
             logits = guard(model, x)
         n_classes = logits.shape[1]
-        bad_labels = _first(bad_labels, ((y < 0) | (y >= n_classes)).any(), index)
-        y_lo = y.amin() if y_lo is None else torch.minimum(y_lo, y.amin())  # named in the error, read after the loop
-        y_hi = y.amax() if y_hi is None else torch.maximum(y_hi, y.amax())
+        engine.observe(y, outside_clip(x, clip))
         y = y.clamp(0, n_classes - 1)  # an out-of-range label is reported after the loop
         pred = logits.argmax(dim=1)
         wrong = pred != y
-        if not eager:
-            count = outside_clip(x, clip)
-            bad_clip_count = torch.where(bad_clip < 0, count, bad_clip_count)
-            bad_clip = _first(bad_clip, count > 0, index)
-        lo, hi = input_box(x, eps, clip, check=eager)
-        if not eager:
-            bad_box = _first(bad_box, box_problems(lo, hi), index)
-        margins = bounded.margin_lower_bounds(lo, hi, y, method, check=eager)
+        # the rows whose box is a proper ball (finite, inside clip); a bad one is reported after the loop, and its
+        # bounds, meaningless, must not trip the soundness checks first
+        valid = torch.isfinite(x).flatten(1).all(dim=1)
+        if clip is not None:
+            valid &= ((x >= clip[0]) & (x <= clip[1])).flatten(1).all(dim=1)
+        lo, hi = input_box(x, eps, clip, check=False)
+        margins = bounded.margin_lower_bounds(lo, hi, y, method, check=False)
         clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
-        unsound = _first(unsound, (torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs()))).any(),
-                         index)
+        runner.flag("unsound", valid[:, None] & torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs())),
+                    batch, "certified robustness: on batch {first} the certified margin bounds do not contain the "
+                    "model's own margins at the inputs, so the traced graph does not compute what the model computes "
+                    "(forward hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain "
+                    "eval-mode model without hooks; if it is one, please report this with the model.")
         worst = margins.min(dim=1).values
         verified = worst > 0
         falsified = wrong.clone()
@@ -334,7 +339,7 @@ def verify_robustness(
         if attack_steps > 0 and todo.numel():
             from .attacks import pgd
 
-            gen = torch.Generator().manual_seed(seed + index)
+            gen = torch.Generator().manual_seed(seed + batch.index)
             xa = pgd(model, x[todo], y[todo], eps, gen, norm="linf", steps=attack_steps, clip=clip, loss="margin",
                      guard=attack_guard)
             xa = torch.minimum(torch.maximum(xa.detach(), lo[todo].to(xa.dtype)), hi[todo].to(xa.dtype))
@@ -345,72 +350,26 @@ def verify_robustness(
             falsified[todo] = falsified[todo] | hit
             found[todo] = torch.where(hit.reshape((-1,) + (1,) * (xa.ndim - 1)), xa.to(found.dtype), found[todo])
             found_pred[todo] = torch.where(hit, pa, found_pred[todo])
-        overlap = overlap | (verified & falsified).any()
+        runner.flag("overlap", valid & verified & falsified, batch,
+                    "certified robustness: internal error: PGD found a misclassified point in the ball of an input "
+                    "the bounds verify (unsound bounds; first in batch {first}). Please report this with the model.")
         codes = torch.full_like(y, UNKNOWN).masked_fill_(verified, VERIFIED).masked_fill_(falsified, FALSIFIED)
         engine.update(codes, worst)
-        margins_seen.append(worst.detach())
-        examples = _first_falsified(examples, falsified, done, x, found, y, found_pred, wrong)
-        done += int(x.shape[0])
-        progress.tick(done, total, "inputs")
-    if not eager and done:  # the deferred input checks: the earliest failing batch, as the CPU would raise it
-        first_clip, clip_count, first_box = torch.stack([bad_clip, bad_clip_count, bad_box]).tolist()
-        if first_clip >= 0 and (first_box < 0 or first_clip <= first_box):
-            raise outside_clip_error(int(clip_count), clip)
-        if first_box >= 0:
-            raise DataError("the input box holds NaN/inf. Fix: give finite inputs and a finite eps.")
-    guard.check()
-    attack_guard.check()
-    if done == 0:
-        raise DataError("certified robustness: the data set is empty. Fix: give at least one labelled input.")
-    first_bad, first_unsound, both = (int(bad_labels), int(unsound), bool(overlap))  # one read after the loop
-    if first_bad >= 0:
-        raise DataError(f"labels range over {int(y_lo)}..{int(y_hi)}, outside [0, {n_classes}) from batch "
-                        f"{first_bad} on (the model has {n_classes} classes). Fix: give class indices "
-                        f"0..{n_classes - 1} matching the model's outputs.")
-    if first_unsound >= 0:
-        raise MetricError(
-            f"certified robustness: on batch {first_unsound} the certified margin bounds do not contain the model's "
-            f"own margins at the inputs, so the traced graph does not compute what the model computes (forward "
-            f"hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain eval-mode "
-            f"model without hooks; if it is one, please report this with the model.")
-    if both:
-        raise MetricError("certified robustness: internal error: PGD found a misclassified point in the ball of an "
-                          "input the bounds verify (unsound bounds). Please report this with the model.")
+        engine.add_counterexamples(batch.rows, falsified, y, found_pred, wrong,
+                                   (found - x).flatten(1).abs().amax(dim=1), found)
+
+    runner.run(data, step)
+    engine: VerificationEngine = state["engine"]  # built: an empty pass raised in run
+    if shard is not None:  # built on the first batch, so run() cannot sync it; every rank has a batch
+        engine.sync()
+    outside, label_lo, label_hi = torch.stack([engine.outside_clip, engine.label_min, engine.label_max]).tolist()
+    if outside:
+        raise outside_clip_error(int(outside), clip)
+    n_classes = guard.num_classes or 0
+    if label_lo < 0 or label_hi >= n_classes:
+        raise DataError(f"labels range over {label_lo}..{label_hi}, outside [0, {n_classes}) (the model has "
+                        f"{n_classes} classes). Fix: give class indices 0..{n_classes - 1} matching the model's "
+                        f"outputs.")
     result = engine.compute()
-    median = float(torch.cat(margins_seen).to(torch.float64).median())  # the lower median
-    listed, points = _examples_list(examples)
-    return dataclasses.replace(result, counterexamples=listed, margin_median=median, clip=clip,
-                               attack_steps=attack_steps, counterexample_inputs=points)
-
-
-def _first(running: Tensor, flag: Tensor, index: int) -> Tensor:
-    """``index`` if ``flag`` holds and nothing was recorded yet (``running < 0``), else ``running`` (no sync)."""
-    return torch.where((running < 0) & flag, torch.full_like(running, index), running)
-
-
-def _first_falsified(kept: dict[str, Tensor] | None, falsified: Tensor, offset: int, x: Tensor, found: Tensor,
-                     y: Tensor, found_pred: Tensor, wrong: Tensor) -> dict[str, Tensor]:
-    """The running first :data:`MAX_COUNTEREXAMPLES` falsified inputs (by index), merged on the device."""
-    n = falsified.shape[0]
-    index = torch.arange(offset, offset + n, device=falsified.device)
-    batch = {"key": torch.where(falsified, index, torch.full_like(index, torch.iinfo(torch.int64).max)),
-             "label": y, "predicted": found_pred, "clean": wrong,
-             "distance": (found - x).flatten(1).abs().amax(dim=1).to(torch.float64), "point": found.detach()}
-    if kept is not None:
-        batch = {k: torch.cat([kept[k], v]) for k, v in batch.items()}
-    keep = batch["key"].topk(min(MAX_COUNTEREXAMPLES, batch["key"].shape[0]), largest=False).indices
-    return {k: v[keep] for k, v in batch.items()}
-
-
-def _examples_list(kept: dict[str, Tensor] | None) -> tuple[tuple[dict[str, Any], ...], tuple[Tensor, ...]]:
-    """The kept counterexamples as JSON-able dicts and their input points (host copies, after the loop)."""
-    if kept is None:
-        return (), ()
-    real = kept["key"] < torch.iinfo(torch.int64).max
-    rows = {k: v[real] for k, v in kept.items()}
-    listed = tuple({"index": int(i), "label": int(label), "predicted": int(p), "linf_distance": float(d),
-                    "source": "clean" if c else "pgd"}
-                   for i, label, p, d, c in zip(rows["key"].tolist(), rows["label"].tolist(),
-                                                rows["predicted"].tolist(), rows["distance"].tolist(),
-                                                rows["clean"].tolist()))
-    return listed, tuple(point.cpu() for point in rows["point"])
+    points = tuple(point.to(state["dtype"]) for point in result.counterexample_inputs)
+    return dataclasses.replace(result, clip=clip, attack_steps=attack_steps, counterexample_inputs=points)
