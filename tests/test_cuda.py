@@ -690,9 +690,9 @@ def test_adversarial_confidence_cuda_equals_cpu(cnn64: nn.Module, digits64: tupl
 
 def test_adversarial_confidence_batch_loop_does_not_sync(cnn: nn.Module, digits: tuple[Tensor, Tensor],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_dnnsafety.engines.robustness import confidence
+    from pytest_dnnsafety.engines import runner
 
-    with strict_batches(confidence, monkeypatch) as seen:
+    with strict_batches(runner, monkeypatch) as seen:
         result = _adv(_on(cnn, DEV), (digits[0][:80], digits[1][:80]), DEV, outputs="logits")
     assert seen == [40, 40] and result.n == 80
 
@@ -744,7 +744,7 @@ def test_verification_engine_cuda_equals_cpu() -> None:
     for v, m in zip(verdicts.split(128), margins.split(128)):
         cpu.update(v, m)
         gpu.update(v.to(DEV), m.to(DEV))
-    assert torch.equal(cpu.margin_hist, gpu.margin_hist.cpu())
+    assert torch.equal(cpu.margins, gpu.margins.cpu())
     assert_same(cpu.compute(), gpu.compute())
 
 
@@ -776,9 +776,10 @@ def test_verify_robustness_on_images_cuda_equals_cpu(cnn64: nn.Module, digits64:
        "unstable-neuron counts while bounds_crown.HOST_SIZING is on (the faster default)")
 def test_verify_robustness_batch_loop_does_not_sync(cnn: nn.Module, digits: tuple[Tensor, Tensor],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_dnnsafety.engines import runner
     from pytest_dnnsafety.engines.robustness import verification
 
-    with strict_batches(verification, monkeypatch) as seen:
+    with strict_batches(runner, monkeypatch) as seen:
         result = verification.verify_robustness(_on(cnn, DEV), (digits[0][:64], digits[1][:64]), 0.02,
                                                 clip=(0.0, 1.0), batch_size=32, device=DEV, attack_steps=5)
     assert seen == [32, 32] and result.n == 64
@@ -850,11 +851,12 @@ def test_verify_robustness_syncs_once_per_batch(cnn: nn.Module, digits: tuple[Te
 
     For CROWN with its chunks sized by shapes; by default it also reads its unstable-neuron counts (faster).
     """
+    from pytest_dnnsafety.engines import runner
     from pytest_dnnsafety.engines.robustness import bounds_crown, verification
 
     monkeypatch.setattr(bounds_crown, "HOST_SIZING", host_sizing)
     per_batch: list[list[str]] = []
-    original = verification.iter_batches
+    original = runner.iter_batches
 
     def counted(data: Any, batch_size: int) -> Iterator[Any]:
         for batch in original(data, batch_size):
@@ -862,7 +864,7 @@ def test_verify_robustness_syncs_once_per_batch(cnn: nn.Module, digits: tuple[Te
                 yield batch
             per_batch.append(sites)
 
-    monkeypatch.setattr(verification, "iter_batches", counted)
+    monkeypatch.setattr(runner, "iter_batches", counted)
     result = verification.verify_robustness(_on(cnn, DEV), (digits[0][:64], digits[1][:64]), 0.02, method=method,
                                             clip=(0.0, 1.0), batch_size=32, device=DEV, attack_steps=5)
     assert result.n == 64 and len(per_batch) == 2
@@ -884,7 +886,7 @@ def _verify_error(model: nn.Module, x: Tensor, y: Tensor, device: torch.device) 
 def test_verify_robustness_deferred_input_checks_raise_as_on_the_cpu(cnn64: nn.Module,
                                                                      digits64: tuple[Tensor, Tensor],
                                                                      bad: str) -> None:
-    """On a device the input checks are read after the loop: the same error (the earliest batch's) as the CPU's."""
+    """The input checks are read after the loop on every device: the same error as the CPU's."""
     x, y = digits64[0][:48].clone(), digits64[1][:48]
     if bad in ("outside-clip", "both"):
         x[37, 0, 2, 2], x[38, 0, 4, 4], x[45, 0, 1, 1] = 1.5, -0.5, 2.0  # three values, all in batch 2
