@@ -533,10 +533,6 @@ def test_assess_occlusion_on_images_cuda_equals_cpu(cnn64: nn.Module, digits64: 
     assert_same(results[0], results[1], skip=frozenset({"seconds", "worst_inputs", "maps"}))
 
 
-@pytest.mark.xfail(ON_CUDA, strict=True,
-                   reason="engines/occlusion.py _merge_top keeps the worst inputs with Tensor.topk, whose "
-                   "order among equal values (inputs with the same M_interpret) differs between the CPU and CUDA: the "
-                   "details' worst_inputs and maps name other inputs on each device")
 def test_assess_occlusion_worst_inputs_cuda_equal_cpu(cnn64: nn.Module, digits64: tuple[Tensor, Tensor]) -> None:
     from pytest_dnnsafety.engines.occlusion import assess_occlusion
 
@@ -549,10 +545,10 @@ def test_assess_occlusion_worst_inputs_cuda_equal_cpu(cnn64: nn.Module, digits64
 
 def test_assess_occlusion_batch_loop_does_not_sync(cnn: nn.Module, digits: tuple[Tensor, Tensor],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_dnnsafety.engines import occlusion
+    from pytest_dnnsafety.engines import occlusion, runner
 
     x, y = digits[0][:96], digits[1][:96]
-    with strict_batches(occlusion, monkeypatch) as seen:
+    with strict_batches(runner, monkeypatch) as seen:
         result = occlusion.assess_occlusion(_on(cnn, DEV), (x, y), _masks(x), size=2, stride=1, rho=0.5,
                                             outputs="logits", batch_size=32, max_batch=500, device=DEV)
     assert seen == [32, 32, 32] and result.n == 96

@@ -50,11 +50,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import progress
-from ..data import iter_batches, known_length
+from ..data import known_length
 from ..errors import ConfigError, DataError, MetricError
-from ..outputs import ForwardGuard, eval_mode, model_dtype_device
-from .base import Engine
+from ..outputs import ForwardGuard, eval_mode
+from .base import Engine, topk
+from .runner import Batch, Runner
 from .robustness.attacks import OUTPUTS, detect_outputs, log_probs
 
 __all__ = [
@@ -67,6 +67,8 @@ EMPTY_MASK = ("error", "skip")
 TARGETS = ("predicted", "label")
 #: Inputs listed as the worst in the details; maps kept for the plot.
 WORST_INPUTS = 5
+#: The leading columns of a worst-input row of :class:`OcclusionEngine` (the heat map and the occluding set follow).
+ROW_COLUMNS = ("key", "index", "class", "p_clean", "hot", "occluding", "both", "m_interpret", "m_occsen")
 #: At most this many input elements per forward pass of occluded copies (~128 MB of float32).
 MAX_ELEMENTS = 2**25
 _NONE = torch.iinfo(torch.int64).max
@@ -287,39 +289,57 @@ def _json_float(value: float) -> float | str:
 
 
 class OcclusionEngine(Engine):
-    """Sums, minima, maxima and counts of per-input M_interpret and M_OccSen (see the module docstring).
+    """Counts, minima, maxima and per-input values of M_interpret and M_OccSen (see the module docstring).
 
     States: ``n``, ``n_interpret``, ``n_occsen``, ``no_hot``, ``empty_masks``, ``hot``,
-    ``occluding``, ``both`` (int64 sums); ``interpret_sum``, ``occsen_sum`` (float64 sums);
-    ``interpret_min``/``occsen_min`` (min), ``interpret_max``/``occsen_max`` (max);
-    ``first_empty`` (int64 min: the first input with an empty mask).
+    ``occluding``, ``both``, ``below_rho`` (int64 sums); ``interpret_min``/``occsen_min`` (min),
+    ``interpret_max``/``occsen_max`` (max); ``first_empty`` (int64 min: the first input with an
+    empty mask); ``per_input`` (``cat``, rows ``(M_interpret, M_OccSen)`` in float64, NaN where
+    left out: 16 bytes per input, never the images), whose sums give the means, so the means do not
+    depend on the batch split, the merge order or the torchrun shards. With ``worst=k`` (and the
+    heat maps' ``positions``) two ``topk`` states keep the ``k`` inputs with the lowest M_interpret
+    (``lowest_interpret``) and the highest M_OccSen (``highest_occsen``), ties broken by the input
+    index, as rows ``(key, index, class, p_clean, |P_hot|, |P_occluding|, |P_hot ∩ P_occluding|,
+    M_interpret, M_OccSen, heat map…, occluding set…)`` (float64; see :data:`ROW_COLUMNS`).
     """
 
-    def __init__(self, no_hot: str = "skip", empty_mask: str = "error", device: torch.device | str | None = None) -> None:
+    def __init__(self, no_hot: str = "skip", empty_mask: str = "error", worst: int = 0, positions: int = 0,
+                 device: torch.device | str | None = None) -> None:
         super().__init__(device)
         if no_hot not in NO_HOT:
             raise ConfigError(f"occlusion: no_hot={no_hot!r} is not one of {list(NO_HOT)}.")
         if empty_mask not in EMPTY_MASK:
             raise ConfigError(f"occlusion: empty_mask={empty_mask!r} is not one of {list(EMPTY_MASK)}.")
-        self.no_hot_rule, self.empty_mask_rule = no_hot, empty_mask
+        for name, value in (("worst", worst), ("positions", positions)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"occlusion: {name}={value!r} is not an integer >= 0.")
+        self.no_hot_rule, self.empty_mask_rule, self.worst, self.positions = no_hot, empty_mask, worst, positions
         i64, f64 = torch.int64, torch.float64
         for name in ("n", "n_interpret", "n_occsen", "no_hot", "empty_masks", "hot", "occluding", "both", "below_rho"):
             self.add_state(name, torch.zeros((), dtype=i64), "sum")
         for metric in ("interpret", "occsen"):
-            self.add_state(f"{metric}_sum", torch.zeros((), dtype=f64), "sum")
             self.add_state(f"{metric}_min", torch.tensor(math.inf, dtype=f64), "min")
             self.add_state(f"{metric}_max", torch.tensor(-math.inf, dtype=f64), "max")
         self.add_state("first_empty", torch.tensor(_NONE, dtype=i64), "min")
+        self.add_state("per_input", torch.zeros((0, 2), dtype=f64), "cat")
+        if worst:
+            width = len(ROW_COLUMNS) + 2 * positions
+            self.add_state("lowest_interpret", torch.zeros((0, width), dtype=f64),
+                           topk(worst, 0, largest=False, tie_break=1))
+            self.add_state("highest_occsen", torch.zeros((0, width), dtype=f64), topk(worst, 0, tie_break=1))
 
     def config(self) -> dict[str, Any]:
-        return {"no_hot": self.no_hot_rule, "empty_mask": self.empty_mask_rule}
+        return {"no_hot": self.no_hot_rule, "empty_mask": self.empty_mask_rule, "worst": self.worst,
+                "positions": self.positions}
 
-    def update(self, hot: Tensor, occluding: Tensor, start: int = 0,
-               below_rho: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def update(self, hot: Tensor, occluding: Tensor, start: int = 0, below_rho: Tensor | None = None, *,
+               maps: Tensor | None = None, cls: Tensor | None = None,
+               p_clean: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Fold in ``(N, P)`` bool sets of inputs ``start…start+N-1``; returns per-input (M_interpret, M_OccSen).
 
-        ``below_rho`` ``(N,)`` bool: the clean probability is already below ρ (counted only). No host
-        synchronisation; NaN marks an input left out of an aggregate.
+        ``below_rho`` ``(N,)`` bool: the clean probability is already below ρ (counted only). With
+        ``worst > 0``, ``maps`` ``(N, P)``, ``cls`` and ``p_clean`` ``(N,)`` feed the worst inputs'
+        rows. No host synchronisation; NaN marks an input left out of an aggregate.
         """
         n_hot, n_occ, n_both = (t.to(self.device) for t in interpretation_counts(hot, occluding))
         interpret, occsen = _per_input(n_hot, n_occ, n_both, self.no_hot_rule)
@@ -337,10 +357,20 @@ class OcclusionEngine(Engine):
         for metric, per in (("interpret", interpret), ("occsen", occsen)):
             ok = ~torch.isnan(per)
             setattr(self, f"n_{metric}", getattr(self, f"n_{metric}") + ok.sum())
-            setattr(self, f"{metric}_sum", getattr(self, f"{metric}_sum") + torch.where(ok, per, 0.0).sum())
             lo, hi = torch.where(ok, per, math.inf).min(), torch.where(ok, per, -math.inf).max()
             setattr(self, f"{metric}_min", torch.minimum(getattr(self, f"{metric}_min"), lo))
             setattr(self, f"{metric}_max", torch.maximum(getattr(self, f"{metric}_max"), hi))
+        self.append_state("per_input", torch.stack([interpret, occsen], dim=1))
+        if self.worst:
+            if maps is None or cls is None or p_clean is None:
+                raise ValueError("OcclusionEngine(worst>0).update needs maps=, cls= and p_clean= for the worst inputs")
+            f64 = {"dtype": torch.float64, "device": self.device}
+            rows = torch.cat([torch.stack([interpret, idx.to(**f64), cls.to(**f64), p_clean.to(**f64),
+                                           n_hot.to(**f64), n_occ.to(**f64), n_both.to(**f64), interpret, occsen], 1),
+                              maps.to(**f64), occluding.to(**f64)], dim=1)
+            self.append_state("lowest_interpret", rows)  # NaN keys rank last: left-out inputs never win
+            self.append_state("highest_occsen", torch.cat([torch.nan_to_num(occsen, nan=-math.inf)[:, None],
+                                                           rows[:, 1:]], dim=1))
         return interpret, occsen
 
     def compute(self) -> OcclusionResult:
@@ -354,10 +384,12 @@ class OcclusionEngine(Engine):
                             f"no occluder position overlaps the object, so M_OccSen is 0/0 and the input has no "
                             f"segmentation ground truth. Fix: correct the masks, or pass empty_mask='skip' to leave "
                             f"such inputs out.")
+        per = self.per_input
+        sums = torch.where(torch.isnan(per), 0.0, per).sum(dim=0).tolist()
         fields: dict[str, Any] = {}
-        for metric in ("interpret", "occsen"):
+        for metric, total in zip(("interpret", "occsen"), sums):
             count = fields[f"n_{metric}"] = int(getattr(self, f"n_{metric}"))
-            fields[f"{metric}_mean"] = float(getattr(self, f"{metric}_sum")) / count if count else math.nan
+            fields[f"{metric}_mean"] = total / count if count else math.nan
             for agg in ("min", "max"):
                 fields[f"{metric}_{agg}"] = float(getattr(self, f"{metric}_{agg}")) if count else math.nan
         return OcclusionResult(n=n, no_hot=int(self.no_hot), empty_masks=empty, hot_total=int(self.hot),
@@ -414,32 +446,23 @@ def _mismatch(images: str, m_shape: tuple[int, ...], why: str) -> DataError:
                      f"mask (N, H, W) per input, in the data's order and spatial size.")
 
 
-def _merge_top(top: dict[str, Tensor] | None, batch: dict[str, Tensor], key: str, largest: bool) -> dict[str, Tensor]:
-    """Keep the WORST_INPUTS rows with the smallest (or largest) ``key``; NaN keys never win."""
-    if top is not None:
-        batch = {name: torch.cat([top[name], batch[name]]) for name in batch}
-    values = torch.nan_to_num(batch[key], nan=-math.inf if largest else math.inf)
-    keep = values.topk(min(WORST_INPUTS, values.shape[0]), largest=largest).indices
-    return {name: t[keep] for name, t in batch.items()}
+_INT_COLUMNS = frozenset({"index", "class", "hot", "occluding", "both"})
 
 
-_ROW = {"index": "index", "class": "class", "p_clean": "p_clean", "hot": "hot", "occluding": "occluding",
-        "both": "both", "m_interpret": "interpret", "m_occsen": "occsen"}
+def _rows(top: Tensor) -> list[dict[str, Any]]:
+    """The kept rows as dicts (rows whose M_interpret is NaN, i.e. left out, dropped)."""
+    lists = top[:, 1:len(ROW_COLUMNS)].cpu().tolist()
+    return [{name: int(v) if name in _INT_COLUMNS else v for name, v in zip(ROW_COLUMNS[1:], row)}
+            for row in lists if not math.isnan(row[ROW_COLUMNS.index("m_interpret") - 1])]
 
 
-def _rows(top: dict[str, Tensor], key: str) -> list[dict[str, Any]]:
-    """The kept rows as dicts (rows whose ``key`` is NaN, i.e. left out, dropped)."""
-    lists = {name: top[source].tolist() for name, source in _ROW.items()}
-    return [{name: values[i] for name, values in lists.items()} for i in range(len(lists["index"]))
-            if not math.isnan(top[key][i])]
-
-
-def _map(top: dict[str, Tensor], key: str, why: str, shape: tuple[int, int], rho: float) -> list[dict[str, Any]]:
-    """The first kept row's heat map, hot and occluding sets as nested lists (for a plot)."""
-    if not _rows(top, key):
+def _map(top: Tensor, metric: str, why: str, shape: tuple[int, int], rho: float) -> list[dict[str, Any]]:
+    """The first kept row's heat map, hot and occluding sets as nested lists (for a plot); none if it is left out."""
+    if top.shape[0] == 0 or math.isnan(float(top[0, ROW_COLUMNS.index(metric)])):
         return []
-    heat, occ = top["map"][0].reshape(shape), top["occ"][0].reshape(shape)
-    return [{"index": int(top["index"][0]), "why": why, "rho": rho, "heatmap": [[round(v, 6) for v in r]
+    first, p = top[0].cpu(), shape[0] * shape[1]
+    heat, occ = first[len(ROW_COLUMNS):len(ROW_COLUMNS) + p].reshape(shape), first[len(ROW_COLUMNS) + p:].reshape(shape)
+    return [{"index": int(first[1]), "why": why, "rho": rho, "heatmap": [[round(v, 6) for v in r]
              for r in heat.tolist()], "hot": (heat < rho).to(torch.int64).tolist(),
              "occluding": occ.to(torch.int64).tolist()}]
 
@@ -447,7 +470,7 @@ def _map(top: dict[str, Tensor], key: str, why: str, shape: tuple[int, int], rho
 def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: Any = 1, fill: float | str = 0.0,
                      rho: float = 0.5, target: str = "predicted", no_hot: str = "skip", empty_mask: str = "error",
                      outputs: str = "auto", batch_size: int = 256, max_batch: int = 4096,
-                     device: torch.device | str = "cpu") -> OcclusionResult:
+                     device: torch.device | str = "cpu", shard: Any = None) -> OcclusionResult:
     """M_interpret and M_OccSen (eq. 5) of ``model`` on images ``data`` with segmentation ``masks`` aligned to them.
 
     ``masks``: ``(N, H, W)`` (or ``(N, 1, H, W)``) booleans, one per input of ``data`` (images
@@ -455,6 +478,9 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
     :class:`DataError` naming both shapes. The model runs in eval mode (restored after) on its own
     device (``device`` for a model without parameters); every query goes through a
     :class:`ForwardGuard`. See the module docstring for ``target``, ``no_hot``, ``empty_mask``.
+    The batches go through a :class:`~pytest_dnnsafety.engines.runner.Runner` (a ``DataLoader``
+    streams); ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the data
+    (the engine's states are then all-reduced: every rank gets the single-process result).
     """
     _check_options(rho, fill, target, outputs, batch_size)
     m_all = check_masks(masks)
@@ -464,66 +490,62 @@ def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: An
         raise _mismatch(f"{known} images", tuple(m_all.shape), f"{known} inputs but {n_masks} masks")
     rows, cols = occlusion_positions(m_all.shape[1], m_all.shape[2], size, stride)
     grid = (int(rows.shape[0]), int(cols.shape[0]))
-    _, model_device = model_dtype_device(model)
-    dev = model_device if model_device is not None else torch.device(device)
+    runner = Runner("occlusion", model=model, device=device, batch_size=batch_size, shard=shard,
+                    labels="optional" if target == "label" else "ignored")
+    dev = runner.device
     acc = torch.device("cpu") if dev.type == "mps" else dev
-    engine = OcclusionEngine(no_hot, empty_mask, device=acc)
+    engine = OcclusionEngine(no_hot, empty_mask, worst=WORST_INPUTS, positions=grid[0] * grid[1], device=acc)
     # the occluder positions on the model's device, once (not one host-to-device copy per batch)
     positions = (rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True))
-    # copies of the batches towards an accelerator are asynchronous (a device-to-host one must stay blocking)
-    async_copy = dev.type != "cpu"
-    clean_guard = ForwardGuard("occlusion: model on clean images")
-    guard = ForwardGuard("occlusion: model on occluded images")
+    clean_guard = runner.guard("occlusion: model on clean images")
+    guard = runner.guard("occlusion: model on occluded images")
     resolved = None if outputs == "auto" else outputs
-    worst: Any = None
-    fragile: Any = None
-    y_lo = y_hi = None
-    done, total = 0, known or n_masks
+
+    def step(batch: Batch) -> None:
+        nonlocal resolved
+        x, b = batch.x, batch.n
+        if x.ndim < 3 or tuple(x.shape[-2:]) != tuple(m_all.shape[1:]):
+            raise _mismatch(f"images {tuple(x.shape)}", tuple(m_all.shape), "the spatial sizes differ")
+        if batch.start + b > n_masks:
+            raise _mismatch(f"images ({batch.start + b}+, {', '.join(map(str, x.shape[1:]))})", tuple(m_all.shape),
+                            f"more inputs than the {n_masks} masks")
+        if target == "label":
+            if batch.y is None:
+                raise DataError("occlusion: target='label' needs labelled data (x, y). Fix: give labels or use "
+                                "target='predicted'.")
+            runner.observe_range("labels", batch.y)
+        maps, cls, p_clean, resolved = occlusion_maps(
+            model, x, size=size, stride=stride, fill=fill, target=batch.y, outputs=resolved or "auto",
+            max_batch=max_batch, guard=guard, clean_guard=clean_guard, positions=positions)
+        occ = occluding_positions(m_all[batch.start:batch.start + b].to(dev, non_blocking=dev.type != "cpu"), size,
+                                  stride, positions=positions)
+        engine.update(maps < rho, occ, start=batch.start, below_rho=p_clean < rho, maps=maps, cls=cls,
+                      p_clean=p_clean)
+
     with eval_mode(model):
-        for x, y in iter_batches(data, batch_size):
-            b = x.shape[0]
-            if x.ndim < 3 or tuple(x.shape[-2:]) != tuple(m_all.shape[1:]):
-                raise _mismatch(f"images {tuple(x.shape)}", tuple(m_all.shape), "the spatial sizes differ")
-            if done + b > n_masks:
-                raise _mismatch(f"images ({done + b}+, {', '.join(map(str, x.shape[1:]))})", tuple(m_all.shape),
-                                f"more inputs than the {n_masks} masks")
-            x = x.to(dev, non_blocking=async_copy)
-            x = x if x.is_floating_point() else x.to(torch.float32)
-            labels = None
-            if target == "label":
-                if y is None:
-                    raise DataError("occlusion: target='label' needs labelled data (x, y). Fix: give labels or use "
-                                    "target='predicted'.")
-                labels = y.to(dev, torch.int64, non_blocking=async_copy)
-                y_lo = labels.min() if y_lo is None else torch.minimum(y_lo, labels.min())
-                y_hi = labels.max() if y_hi is None else torch.maximum(y_hi, labels.max())
-            maps, cls, p_clean, resolved = occlusion_maps(
-                model, x, size=size, stride=stride, fill=fill, target=labels, outputs=resolved or "auto",
-                max_batch=max_batch, guard=guard, clean_guard=clean_guard, positions=positions)
-            occ = occluding_positions(m_all[done:done + b].to(dev, non_blocking=async_copy), size, stride,
-                                      positions=positions)
-            hot = maps < rho
-            interpret, occsen = engine.update(hot, occ, start=done, below_rho=p_clean < rho)
-            n_hot, n_occ, n_both = interpretation_counts(hot, occ)
-            batch = {"index": torch.arange(done, done + b, device=dev), "class": cls, "p_clean": p_clean,
-                     "hot": n_hot, "occluding": n_occ, "both": n_both, "interpret": interpret.to(dev),
-                     "occsen": occsen.to(dev), "map": maps, "occ": occ}
-            worst = _merge_top(worst, batch, "interpret", largest=False)
-            fragile = _merge_top(fragile, batch, "occsen", largest=True)
-            done += b
-            progress.tick(done, total, "inputs")
+        runner.run(data, step, engine)
+    done = runner.n_inputs if shard is None else int(engine.n)
     if done != n_masks:
         raise _mismatch(f"{done} images", tuple(m_all.shape), f"{done} inputs but {n_masks} masks")
-    clean_guard.check()
-    guard.check()
-    classes = clean_guard.num_classes or 0
-    if y_lo is not None and (int(y_lo) < 0 or int(y_hi) >= classes):
-        raise DataError(f"occlusion: labels range over [{int(y_lo)}, {int(y_hi)}] but the model has {classes} classes. "
-                        f"Fix: give class indices 0..{classes - 1}.")
+    _check_label_range(runner, shard, clean_guard.num_classes or 0)
     result = engine.compute()
     setup = {"size": list(_pair(size, "size")), "stride": list(_pair(stride, "stride")), "fill": fill,
              "rho": float(rho), "target": target, "no_hot": no_hot, "empty_mask": empty_mask, "positions": list(grid)}
-    maps_out = (_map(worst, "interpret", "lowest M_interpret", grid, float(rho))
-                + _map(fragile, "occsen", "highest M_OccSen", grid, float(rho)))
-    return OcclusionResult(**{**result.__dict__, "setup": setup, "worst_inputs": tuple(_rows(worst, "interpret")),
+    maps_out = (_map(engine.lowest_interpret, "m_interpret", "lowest M_interpret", grid, float(rho))
+                + _map(engine.highest_occsen, "m_occsen", "highest M_OccSen", grid, float(rho)))
+    return OcclusionResult(**{**result.__dict__, "setup": setup, "worst_inputs": tuple(_rows(engine.lowest_interpret)),
                               "maps": tuple(maps_out)})
+
+
+def _check_label_range(runner: Runner, shard: Any, classes: int) -> None:
+    """``target="label"``: every label must be a class of the model (the ranks' ranges gathered under a shard)."""
+    seen = runner.range("labels")
+    if shard is not None:
+        from .. import ranks
+
+        seen = [r for r in ranks.gather(seen) if r is not None]
+        seen = (min(r[0] for r in seen), max(r[1] for r in seen)) if seen else None
+    if seen is not None and (seen[0] < 0 or seen[1] >= classes):
+        lo, hi = int(seen[0]), int(seen[1])
+        raise DataError(f"occlusion: labels range over [{lo}, {hi}] but the model has {classes} classes. "
+                        f"Fix: give class indices 0..{classes - 1}.")

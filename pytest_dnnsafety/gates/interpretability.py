@@ -39,22 +39,21 @@ def _pair(value: Any) -> tuple[int, int]:
 
 
 def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
-    """The occlusion result of the gate's model, data, masks and options (shared between gates)."""
+    """The occlusion result of the gate's model, data, masks and options (shared between gates).
+
+    Under torchrun each rank runs its shard of the data's batches (``ctx.shard``) and the
+    engine's states are all-reduced, so every rank gets the single-process result.
+    """
     from ..engines.occlusion import assess_occlusion
 
     o = spec.options
     options = {"size": _pair(o["size"]), "stride": _pair(o["stride"]), "fill": o["fill"], "rho": float(o["rho"]),
                "target": o["target"], "no_hot": o["no_hot"], "empty_mask": o["empty_mask"],
                "outputs": o["outputs"], "max_batch": o["max_batch"]}
-    key = ("occlusion", id(fx["model"]), id(fx["data"]), id(fx["masks"]), tuple(options.items()), ctx.batch_size,
-           ctx.device)
-    store = ctx.cache.setdefault("interpretability", {})
-    if key in store:
-        return store[key][-1]
-    result = assess_occlusion(fx["model"], fx["data"], fx["masks"], batch_size=ctx.batch_size, device=ctx.device,
-                              **options)
-    store[key] = (fx["model"], fx["data"], fx["masks"], result)  # keep the objects alive: their ids are in the key
-    return result
+    return ctx.memo("occlusion", (fx["model"], fx["data"], fx["masks"]),
+                    (tuple(options.items()), ctx.batch_size, ctx.device),
+                    lambda: assess_occlusion(fx["model"], fx["data"], fx["masks"], batch_size=ctx.batch_size,
+                                             device=ctx.device, shard=ctx.shard(fx["data"]), **options))
 
 
 def _setup(spec: GateSpec) -> str:
@@ -160,6 +159,7 @@ MIN_INTERPRETATION_PRECISION = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "min")),
     fixtures=_FIXTURES,
+    shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("interpret", "M_interpret"),
     doc="fail unless the share of hot occlusion positions (probability of the original class below rho) that "
         "overlap the object's mask reaches `threshold` (M_interpret, Cheng et al. 2018, eq. 5)",
@@ -172,6 +172,7 @@ MIN_OCCLUSION_SENSITIVITY = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "min")),
     fixtures=_FIXTURES,
+    shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("occsen", "M_OccSen"),
     doc="fail unless at least `threshold` of the occlusion positions on the object are hot: the object "
         "matters to the prediction (M_OccSen, Cheng et al. 2018, §II-G)",
@@ -184,6 +185,7 @@ MAX_OCCLUSION_SENSITIVITY = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "max")),
     fixtures=_FIXTURES,
+    shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("occsen", "M_OccSen"),
     doc="fail if more than `threshold` of the occlusion positions on the object are hot: the prediction "
         "breaks under small partial occlusions (M_OccSen, Cheng et al. 2018, §II-G)",
