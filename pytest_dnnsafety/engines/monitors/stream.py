@@ -12,7 +12,9 @@ b)`` (never Python's salted ``hash``), where ``b`` is the *global* batch index: 
 run, process and torchrun rank. The draws therefore depend on the batch size (the source
 ``DataLoader``'s own, else the gate's ``dnnsafety_batch_size``), as for the robustness families: the
 same data batched alike gives the same fault set, whatever its form (tensors or a loader).
-Adversarial families (``fgsm``, ``pgd``) attack the model batch by batch on the model's device.
+Adversarial families (``fgsm``, ``pgd``) attack the model batch by batch on the model's device; the
+attack's own forward passes are marked as not data (:func:`~pytest_dnnsafety.outputs.probing`), so a
+pass that reads the stream while recording the model's layers records only the faulted inputs.
 
 **Shards.** Over a map-style source (tensors, a ``TensorDataset``, an in-order ``DataLoader`` with a
 plain batch sampler) the stream is a ``DataLoader`` over the source's rows whose ``collate_fn``
@@ -26,7 +28,6 @@ Pure torch; no pytest import.
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -35,7 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from ...data import _split_batch, as_tensors, check_loader_order, iter_batches
 from ...errors import ConfigError
-from ...outputs import model_dtype_device
+from ...outputs import _PROBING, model_dtype_device
 from .faults import FAULT_GROUPS, apply_fault, check_severity
 
 __all__ = ["FaultStream", "batch_fault_seed", "fault_stream"]
@@ -68,10 +69,22 @@ class _Fault:
             y = y.to(target).long() if y is not None else None
         generator = torch.Generator(device=x.device).manual_seed(
             batch_fault_seed(self.seed, self.family, self.severity, index))
-        with torch.enable_grad() if self.adversarial else nullcontext():
-            out = apply_fault(self.family, x, self.severity, generator=generator, y=y, model=self.model,
-                              clip=self.clip, outputs=self.outputs).detach()
-        return (out,) if y is None else (out, y)
+        if not self.adversarial:
+            return self._done(apply_fault(self.family, x, self.severity, generator=generator, clip=self.clip), y)
+        # The attack's own forward passes are not data: a pass that reads this stream with forward hooks on
+        # the model (the shared activation capture) must not record them (the hooks skip "probing" passes).
+        token = _PROBING.set(True)
+        try:
+            with torch.enable_grad():
+                out = apply_fault(self.family, x, self.severity, generator=generator, y=y, model=self.model,
+                                  clip=self.clip, outputs=self.outputs)
+        finally:
+            _PROBING.reset(token)
+        return self._done(out, y)
+
+    @staticmethod
+    def _done(out: Tensor, y: Tensor | None) -> tuple[Tensor, ...]:
+        return (out.detach(),) if y is None else (out.detach(), y)
 
 
 class _Rows(Dataset):
