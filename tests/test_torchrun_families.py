@@ -16,8 +16,8 @@ project runs once in one process and once under ``torch.distributed.run --nproc-
   rows are counted instead (its Monte Carlo queries are what it splits). ``min_scene_coverage``
   reads the scenario table, not the data, and is left out of the sharding check.
 
-The evidence JSON does not record whether a gate was sharded (only the run's ``world_size``): the
-loads are the measurement.
+Fast: every built-in gate declares ``GateDef.shards``. The evidence JSON does not record whether a
+gate was sharded (only the run's ``world_size``): the loads are the measurement.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from _streaming import FAMILIES, MODEL_FREE, write_project
+from pytest_dnnsafety.gates import builtin_registry
 from test_torchrun import GLOO, TIMED, _clean_env, _torchrun
 
 TESTS = Path(__file__).resolve().parent
@@ -39,8 +40,17 @@ NO_DATA = MODEL_FREE
 #: Families that hold their data whole by design: their model's forward rows are compared instead.
 WHOLE_DATA = {"pmi"}
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
+TWO_RANKS = [pytest.mark.slow,
+             pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_DATA])
+def test_every_gate_of_the_family_declares_that_it_shards(family: str) -> None:
+    """``GateDef.shards`` (what the session and the docs go by) says so for every built-in gate; the slow
+    tests below check that the batches are really split."""
+    registry = builtin_registry()
+    markers = [marker.split("(")[0] for marker in FAMILIES[family][1]]
+    assert [m for m in markers if not registry.get(m).shards] == [], family
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +88,8 @@ def _family_tests(runs: dict, family: str) -> list[str]:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@TWO_RANKS[0]
+@TWO_RANKS[1]
 def test_family_gives_the_single_process_values_under_two_ranks(runs: dict, family: str) -> None:
     for name in _family_tests(runs, family):
         single, sharded = runs["one"].get(name), runs["two"].get(name)
@@ -90,6 +102,8 @@ def test_family_gives_the_single_process_values_under_two_ranks(runs: dict, fami
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_DATA])
+@TWO_RANKS[0]
+@TWO_RANKS[1]
 def test_family_shards_its_batches(runs: dict, family: str) -> None:
     (single,) = runs["one_records"]
     rank0, rank1 = runs["two_records"]
