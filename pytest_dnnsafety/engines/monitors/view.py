@@ -25,6 +25,7 @@ from torch import Tensor
 from ...activations import ActivationCache, ModelOutputs
 from ...data import known_length
 from ...errors import ConfigError, DataError, MetricError
+from ..checks import check_count
 from ..runner import Batch, Runner, model_device
 
 __all__ = ["MonitorView"]
@@ -49,14 +50,13 @@ class MonitorView:
                  shard: Any = None) -> None:
         self.model = model
         self.data = data
-        self.batch_size = batch_size
+        self.batch_size = check_count(batch_size, "batch_size", 1, "pass a positive batch size, e.g. 256.")
         self.device = torch.device(device)
         self.cache = cache if cache is not None else ActivationCache()
         self.plan = tuple(plan)
         self.shard = shard
         self.rows: Tensor | None = None
         self._sorted = True
-        Runner("monitor view", batch_size=batch_size)  # the runner's own argument checks
         if rows is not None:
             if shard is not None:
                 raise ConfigError("a MonitorView takes rows= or shard=, not both. Fix: subset the whole view.")
