@@ -138,7 +138,7 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
     "certified": ("small", ["min_verified_robustness(0.0, eps=0.001, method='crown', clip=(0, 1))"]),
     "quantification": ("tiny", ["min_safe_radius(0.0, d=0.05, iterations=3, starts=1, ascent_starts=1, "
                                  "ascent_steps=2, certified_steps=3)"]),
-    "pmi": ("pmi", ["max_pmi_ub(1.0, cells='balls', norm='linf', radius=0.02, clip=(0, 1), samples_per_cell=10, "
+    "pmi": ("pmi", ["max_pmi_ub(1.0, cells='balls', norm='linf', radius=0.02, clip=(0, 1), samples_per_cell=150, "
                     "bootstrap=0)"]),
 }
 

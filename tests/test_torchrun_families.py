@@ -39,6 +39,8 @@ TESTS = Path(__file__).resolve().parent
 NO_DATA = MODEL_FREE
 #: Families that hold their data whole by design: their model's forward rows are compared instead.
 WHOLE_DATA = {"pmi"}
+#: The labelled operational inputs of max_pmi_ub (every rank forwards them), with a few probe rows to spare.
+PMI_LABELLED = 60 + 4
 
 TWO_RANKS = [pytest.mark.slow,
              pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
@@ -112,4 +114,7 @@ def test_family_shards_its_batches(runs: dict, family: str) -> None:
     measured = f"{family}: {what} {one} in one process; rank 0 {r0}, rank 1 {r1}"
     print(measured)
     assert one > 0, measured
-    assert r0 < one and r1 < one and r0 + r1 == one, measured
+    assert r0 < one and r1 < one, measured
+    # max_pmi_ub: every rank forwards the labelled inputs (held whole by design), then its share of the samples
+    overlap = PMI_LABELLED if family in WHOLE_DATA else 0
+    assert one <= r0 + r1 <= one + overlap, measured
