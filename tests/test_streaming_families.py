@@ -9,10 +9,10 @@ test per gate of every built-in family (:data:`_streaming.FAMILIES`):
   without a streaming case fails here);
 * slow: each family runs in a subprocess with ``N`` and ``10 N`` inputs; the process's peak RSS
   (``ru_maxrss``, reported by the child itself) with ``10 N`` must stay below 1.2 times the peak
-  with ``N`` (glibc's mmap threshold fixed: see :data:`ALLOCATOR_ENV`). Families whose data must be held whole by design (``max_pmi_ub``'s labelled
-  operational data: a ball around each input) are not in the RSS test; the expensive families
-  (certified robustness, quantification) run on fewer inputs, so their test checks per-input
-  state, not the images.
+  with ``N`` (glibc's mmap threshold fixed: see :data:`ALLOCATOR_ENV`). Families whose data must
+  be held whole by design (``max_pmi_ub``'s labelled operational data: a ball around each input)
+  are not in the RSS test; the expensive families (certified robustness, quantification) run on
+  fewer inputs, so their test checks per-input state, not the images.
 """
 
 from __future__ import annotations
