@@ -263,3 +263,49 @@ def test_a_monitor_gate_peak_memory_does_not_grow_with_the_data(tmp_path: Path) 
     small = _peak_rss(tmp_path / "small", n)
     large = _peak_rss(tmp_path / "large", 10 * n)  # 20,000 images of 3x32x32: 234 MiB as float32 tensors
     assert large < 1.2 * small, f"peak RSS {small / 1024:.0f} MiB with {n} images, {large / 1024:.0f} MiB with {10 * n}"
+
+
+TORCHRUN_GATES = {
+    "detect": 'min_monitor_detection(-1.0, monitor="energy", faults=["gaussian_noise", "pgd"], severity=(2, 4), '
+              'compare=["maha", "odin"])',
+    "risk": 'max_monitor_selective_risk(1.0, monitor="ae", faults=["rotation", "black_frame"], severity=3)',
+    "cost": 'max_monitor_overhead(1000000.0, monitor="odin", repeats=1)',
+}
+
+
+@pytest.mark.slow
+def test_the_monitor_gates_under_two_torchrun_ranks_give_the_single_process_values(tmp_path: Path) -> None:
+    """Two gloo ranks score their shards of the streaming loader (and of its fault streams): same verdicts and
+    values as one process; the overhead gate is rank 0's."""
+    from test_torchrun import GLOO, _clean_env, _torchrun
+
+    if not GLOO:
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    root = tmp_path / "project"
+    root.mkdir()
+    _write(root, 75, 8, TORCHRUN_GATES, ("dataset",))  # 10 batches, the last one short
+    env = _clean_env(DNNSAFETY_TORCHRUN_TIMEOUT="240",
+                     PYTHONPATH=os.pathsep.join([str(root), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    got = {}
+    for name in ("one", "two"):
+        args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist", "-q",
+                f"--dnnsafety-json={tmp_path / name}.json"]
+        if name == "one":
+            done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=root, env=env, capture_output=True,
+                                  text=True, timeout=900)
+        else:
+            done = _torchrun(args, root, env, timeout=900)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        evidence = json.loads((tmp_path / f"{name}.json").read_text())
+        assert evidence["environment"]["world_size"] == (1 if name == "one" else 2)
+        got[name] = _gates(tmp_path / f"{name}.json")
+    assert got["one"].keys() == got["two"].keys() and len(got["one"]) == len(TORCHRUN_GATES)
+    for test, single in got["one"].items():
+        sharded = got["two"][test]
+        assert sharded["status"] == single["status"] == "passed", (sharded["summary"], single["summary"])
+        if single["marker"] == "max_monitor_overhead":
+            assert sharded["details"]["inputs"] == 75  # rank 0 timed the whole data
+            continue
+        assert (sharded["value"], sharded["bound"]) == (single["value"], single["bound"]), test
+        for key in ("faults", "system", "per_set", "ranking", "monitor_threshold"):
+            assert sharded["details"].get(key) == single["details"].get(key), (test, key)

@@ -24,8 +24,8 @@ through the shared activation cache. Nothing holds the evaluation images: a faul
 the batch size), shapes are compared on first batches, and what is kept per input is a score, a
 prediction or an error flag. Under torchrun the scoring of the evaluation and fault data is sharded
 by batches (each rank forwards its share; the per-input scores and errors are all-gathered, so every
-rank computes the single-process values); ``max_monitor_overhead`` is timed on every rank and
-reports rank 0's timing. No torch import at module level.
+rank computes the single-process values); ``max_monitor_overhead`` is timed on rank 0 alone (the
+other ranks adopt its verdict). No torch import at module level.
 """
 
 from __future__ import annotations
@@ -436,9 +436,14 @@ def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
 
 def _measure_overhead(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The monitor's time per input relative to the model's forward pass, and its memory."""
+    from .. import ranks
     from ..engines.monitors import MonitorView, measure_overhead
 
     name = spec.options["monitor"]
+    if ranks.active() and not ranks.is_main():
+        # A timed gate: every rank adopts rank 0's verdict (GateDef.timed), so only rank 0 times (and reads the
+        # data); this placeholder is replaced by rank 0's result before it is reported.
+        return Measurement(value=0.0, detail=f"{name}: timed on rank 0", details={"monitor": name})
     monitor, _ = _fitted(spec, fx, ctx, name)
     view = MonitorView(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device,
                        cache=_activations(ctx), plan=monitor.layers())
@@ -515,6 +520,7 @@ MIN_MONITOR_DETECTION = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_detection,
+    shards=True,  # each rank scores its share of every data set's batches; the scores are all-gathered
     doc="fail if the monitor's detection (OOD positive; MCC by default) of the worst fault family and severity "
         "falls below `threshold` (Ferreira et al., safety-monitor benchmark; README: Runtime monitors)",
 )
@@ -537,6 +543,7 @@ MAX_MONITOR_SELECTIVE_RISK = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_selective_risk,
+    shards=True,  # each rank scores its share of every data set's batches; scores and errors all-gathered
     doc="fail if the error rate among the inputs the monitor accepts (its upper confidence bound by default) "
         "exceeds `threshold` (the system view of Ferreira et al.'s benchmark)",
 )
@@ -552,6 +559,7 @@ MAX_MONITOR_OVERHEAD = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset", "fit_data": "monitor_data", "monitors": "monitors"},
     measure=_measure_overhead,
+    timed=True,  # a wall-clock ratio: under torchrun only rank 0 times it and every rank takes its verdict
     doc="fail if the monitor's time per input exceeds `threshold` times the model's forward time per input",
 )
 
