@@ -447,7 +447,12 @@ def _measure_overhead(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -
     monitor, _ = _fitted(spec, fx, ctx, name)
     view = MonitorView(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device,
                        cache=_activations(ctx), plan=monitor.layers())
-    o = measure_overhead(monitor, view, repeats=spec.options["repeats"])
+    shard = ctx.shard(fx["data"])  # torchrun: the monitor is timed on rank 0's shard, whose pass is cached
+    scored = None if shard is None else MonitorView(fx["model"], fx["data"], batch_size=ctx.batch_size,
+                                                    device=ctx.device, cache=_activations(ctx),
+                                                    plan=(*monitor.layers(), *_bank_layers(fx["monitors"])),
+                                                    shard=shard, gather=False)
+    o = measure_overhead(monitor, view, repeats=spec.options["repeats"], monitor_view=scored)
     details = {**_monitor_details(name, monitor, spec), "monitor_s_per_input": o.monitor_s_per_input,
                "model_s_per_input": o.model_s_per_input, "ratio": o.ratio, "state_bytes": o.state_bytes,
                "repeats": o.repeats, "device": ctx.device, "inputs": view.n_inputs}

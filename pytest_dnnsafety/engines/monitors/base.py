@@ -137,8 +137,8 @@ class Monitor(abc.ABC):
         if not self.fitted:
             raise ConfigError(f"monitor {self.name!r} is not fitted. Fix: call fit_monitor(monitor, model, id_data) "
                               f"(or monitor.fit(view)) before score.")
-        if view.shard is None:
-            return self._check_scores(self._score(view), view.n_inputs)
+        if view.shard is None or not view.gather:
+            return self._check_scores(self._score(view), view.n_inputs, view.first_row)
         from ... import ranks
         from ..states import all_gather_rows
 

@@ -39,14 +39,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -> Overhead:
+def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5,
+                     monitor_view: MonitorView | None = None) -> Overhead:
     """Median wall time (``time.perf_counter``, CUDA-synchronised) of the model and of the monitor on ``view``.
 
     Model time: forward passes over the view's batches (its runner) under ``no_grad`` in eval mode. Monitor time: the
     monitor's :meth:`Monitor.score` on the view once the shared forward outputs and features are cached, i.e.
     what the monitor adds in deployment (output and feature monitors only their arithmetic; ODIN its extra
     forward+backward+forward; an autoencoder its own pass; a user monitor its whole score). One warm-up run of
-    each is not timed; then the median of ``repeats`` runs. ``ratio = monitor / model``.
+    each is not timed; then the median of ``repeats`` runs. ``ratio = monitor / model``. ``monitor_view``
+    (default ``view``): the view the monitor is timed on, e.g. a torchrun rank's shard whose shared pass is
+    cached already (both times are per input).
     """
     repeats = check_count(repeats, "repeats", 1, "pass repeats >= 1, e.g. 5.")
     monitor = as_monitor(monitor)
@@ -54,6 +57,7 @@ def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -
     if n == 0:
         raise DataError("measure_overhead: the view has no inputs. Fix: measure on a non-empty data set.")
     device = view.model_device
+    scored = view if monitor_view is None else monitor_view
 
     def run_model() -> None:
         runner = view.runner("monitor overhead: the model alone")
@@ -63,7 +67,7 @@ def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -
         runner.check()
 
     def run_monitor() -> None:
-        monitor.score(view)
+        monitor.score(scored)
 
     def timed(fn: Any) -> float:
         fn()  # warm-up (fills the cache for the monitor: its shared pass is the model's, not the monitor's)
@@ -78,7 +82,7 @@ def measure_overhead(monitor: Monitor, view: MonitorView, *, repeats: int = 5) -
         return statistics.median(times)
 
     model_s = timed(run_model) / n
-    monitor_s = timed(run_monitor) / n
+    monitor_s = timed(run_monitor) / scored.n_inputs
     ratio = monitor_s / model_s if model_s > 0 else math.inf
     return Overhead(monitor_s_per_input=monitor_s, model_s_per_input=model_s, ratio=ratio,
                     state_bytes=monitor.state_bytes(), repeats=repeats)

@@ -42,12 +42,14 @@ class MonitorView:
     :class:`~pytest_dnnsafety.activations.ActivationCache` (a private one when None). ``plan``: layers to
     capture in the same pass as the outputs (the monitors' :meth:`Monitor.layers`). ``rows``: a subset of
     the data's rows (1-D int64 indices; see :meth:`subset`). ``shard``: this torchrun rank's
-    :class:`~pytest_dnnsafety.ranks.Shard` of the data (not with ``rows``): the view is that rank's rows.
+    :class:`~pytest_dnnsafety.ranks.Shard` of the data (not with ``rows``): the view is that rank's rows, and
+    ``Monitor.score`` all-gathers the ranks' scores unless ``gather`` is False (every rank then scores its own
+    rows alone, e.g. to time the monitor on one rank).
     """
 
     def __init__(self, model: Any, data: Any, *, batch_size: int = 256, device: torch.device | str = "cpu",
                  cache: ActivationCache | None = None, plan: Iterable[str] = (), rows: Tensor | None = None,
-                 shard: Any = None) -> None:
+                 shard: Any = None, gather: bool = True) -> None:
         self.model = model
         self.data = data
         self.batch_size = check_count(batch_size, "batch_size", 1, "pass a positive batch size, e.g. 256.")
@@ -55,6 +57,7 @@ class MonitorView:
         self.cache = cache if cache is not None else ActivationCache()
         self.plan = tuple(plan)
         self.shard = shard
+        self.gather = bool(gather)
         self.rows: Tensor | None = None
         self._sorted = True
         if rows is not None:
