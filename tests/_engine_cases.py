@@ -44,6 +44,7 @@ from pytest_dnnsafety.engines.neurons import NeuronKActivationEngine
 from pytest_dnnsafety.engines.occlusion import OcclusionEngine
 from pytest_dnnsafety.engines.patterns import NeuronPatternEngine
 from pytest_dnnsafety.engines.performance import ScenarioPerformanceEngine
+from pytest_dnnsafety.engines.quantification.engine import PER_INPUT, SafeRadiusEngine
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.engines.robustness.confidence import AdversarialConfidenceEngine
 from pytest_dnnsafety.engines.robustness.verification import (
@@ -137,7 +138,25 @@ def _occlusion_rows(seed: int) -> dict[str, Tensor]:
     occluding[::11] = False  # a few empty masks (counted, left out under empty_mask='skip')
     hot = _bools(gen, N, 9, p=0.3)
     hot[::7] = False  # and inputs with no hot position
-    return {"hot": hot, "occluding": occluding, "below_rho": _bools(gen, N, p=0.1)}
+    return {"hot": hot, "occluding": occluding, "below_rho": _bools(gen, N, p=0.1),
+            "maps": torch.rand(N, 9, generator=gen, dtype=torch.float64), "cls": _ints(gen, 3, N),
+            "p_clean": torch.rand(N, generator=gen, dtype=torch.float64)}
+
+
+def _safe_radius_rows(seed: int) -> dict[str, Tensor]:
+    gen = _gen(seed)
+    rows = {name: torch.rand(N, generator=gen, dtype=torch.float64) for name in
+            ("s", "q", "radius", "unsafe", "linf", "certified", "q_ratio", "q_gradient", "pgd", "s_hat", "dist")}
+    rows["certified"][::5] = 0.5  # ties: the worst rows are kept by input index
+    return {**rows, "iterations": _ints(gen, 9, N), "evaluations": _ints(gen, 99, N), "converged": _bools(gen, N),
+            "applicable": _bools(gen, N, p=0.8), "x": torch.rand(N, 2, 3, generator=gen),
+            "x_hat": torch.rand(N, 2, 3, generator=gen)}
+
+
+def _safe_radius_args(chunk: dict[str, Tensor], start: int, trusted: bool) -> Args:
+    values = {name: chunk[name] for name in PER_INPUT}
+    return (start, values), {"gated": chunk["certified"], "x": chunk["x"], "x_hat": chunk["x_hat"],
+                             "s_hat": chunk["s_hat"], "dist": chunk["dist"]}
 
 
 def _performance_rows(seed: int) -> dict[str, Tensor]:
@@ -227,11 +246,15 @@ CASES: tuple[EngineCase, ...] = (
     EngineCase(NeuronKActivationEngine,
                lambda device: NeuronKActivationEngine(6, k=2, activation_threshold=0.1, device=device),
                _activation_rows, _validated("activations")),
-    EngineCase(OcclusionEngine, lambda device: OcclusionEngine(no_hot="skip", empty_mask="skip", device=device),
+    EngineCase(OcclusionEngine,
+               lambda device: OcclusionEngine(no_hot="skip", empty_mask="skip", worst=3, positions=9, device=device),
                _occlusion_rows,
                lambda chunk, start, trusted: ((chunk["hot"], chunk["occluding"], start),
-                                              {"below_rho": chunk["below_rho"]}),
-               exact=False, why=_FLOAT_SUMS + " (M_interpret and M_OccSen means); counts, minima, maxima are exact"),
+                                              {"below_rho": chunk["below_rho"], "maps": chunk["maps"],
+                                               "cls": chunk["cls"], "p_clean": chunk["p_clean"]})),
+    EngineCase(SafeRadiusEngine,
+               lambda device: SafeRadiusEngine(worst=4, input_shape=(2, 3), dtype="float32", device=device),
+               _safe_radius_rows, _safe_radius_args),
     EngineCase(NeuronPatternEngine, lambda device: NeuronPatternEngine(6, groups=3, device=device),
                _activation_rows, _validated("activations")),
     EngineCase(ScenarioPerformanceEngine,

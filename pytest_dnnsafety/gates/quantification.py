@@ -37,7 +37,12 @@ EXPRESSION_NAMES = ("top_vs_runner_up", "top_vs_label", "top_vs_least", "uncerta
 
 
 def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """The ``quantile`` of the per-input certified radii (or, asked for, the estimates d' = s(x)/Q; Theorem 1)."""
+    """The ``quantile`` of the per-input certified radii (or, asked for, the estimates d' = s(x)/Q; Theorem 1).
+
+    Under torchrun each rank searches its shard of the data's batches (``ctx.shard``; the draws
+    are keyed by the global input index) and the per-input results are all-gathered, so every
+    rank gets the single-process result.
+    """
     from ..engines.quantification import quantify_safety
     from ..outputs import eval_mode
 
@@ -57,7 +62,7 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
             worst=opts["worst"], seed=ctx.seed, batch_size=ctx.batch_size, device=ctx.device,
             outputs=opts["outputs"], expansion=float(opts["expansion"]), contraction=float(opts["contraction"]),
             mesh_tol=float(opts["mesh_tol"]), bisection_steps=opts["certified_steps"], statistic=opts["statistic"],
-            ascent_steps=opts["ascent_steps"], ascent_starts=opts["ascent_starts"])
+            ascent_steps=opts["ascent_steps"], ascent_starts=opts["ascent_starts"], shard=ctx.shard(fx["data"]))
     return Measurement(value=result.value, detail=result.detail(), details=result.to_details(),
                        inconclusive=result.inconclusive, contradiction=result.contradiction)
 
@@ -145,6 +150,7 @@ MIN_SAFE_RADIUS = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_safe_radius,
+    shards=True,  # each rank searches its share of the batches; the per-input results are all-gathered
     doc="fail unless the `quantile` (default: the minimum) of the per-input safe radii reaches `threshold` "
         "(input units): by default the radii CROWN/IBP prove (`statistic='certified'`), or with "
         "`statistic='estimate'` DeepQuant's d' = s(x)/Q, Q the Lipschitz metric found by gradient-norm ascent "

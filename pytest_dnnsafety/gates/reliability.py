@@ -22,6 +22,14 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     split changes no sample), the per-cell tallies are all-reduced (``sum``) and every rank
     aggregates the same counts: the single-process result, with the Monte Carlo — the bulk of the
     work — divided by the number of ranks. Only rank 0 writes ``cells_file``.
+
+    The labelled data (``dataset``) are read whole, on every rank, and not sharded: the method
+    needs all labelled points at once — ``r̂`` is the smallest distance between differently
+    labelled points (r-separation), and each cell's type and label come from the labelled points
+    inside it. Only their inputs ``x`` and labels ``y`` are kept (one tensor pair; a float
+    ``TensorDataset``'s own tensors are used as they are, a ``DataLoader`` is read once into it),
+    never a second copy. Nothing in this gate only counts the labelled data, so there is no
+    streamed read to use instead.
     """
     import time
 
@@ -31,6 +39,7 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     from ..loading import as_tensors
 
     opts = dict(spec.options)
+    # whole, not sharded: r-separation and the cell labels need every labelled point (see the docstring)
     labelled = as_tensors(fx["data"], f"labelled data (fixture {spec.fixtures['data']!r})")
     if labelled[1] is None:
         raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "

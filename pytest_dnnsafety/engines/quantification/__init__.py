@@ -3,7 +3,8 @@ networks").
 
 Modules: :mod:`.common` (checks, expressions, balls, draws), :mod:`.gradients` (gradient-norm
 ascent, the PGD check), :mod:`.search` (the pattern search), :mod:`.certified` (the certified
-radius), :mod:`.dataset` (:func:`quantify_safety`). Every public name is importable from here.
+radius), :mod:`.engine` (:class:`SafeRadiusEngine`, the per-input states), :mod:`.dataset`
+(:func:`quantify_safety`). Every public name is importable from here.
 
 **Safety expressions** ``s(x)`` over the model's probabilities ``f(x)`` (softmax of logits, or the
 model's own probabilities); ``s < 0`` is a risk. The classes an expression names are fixed at the
@@ -129,6 +130,7 @@ from .common import (
     reachability, safety_values, uncertainty,
 )
 from .dataset import STATISTICS, SafetyQuantification, quantify_safety
+from .engine import SafeRadiusEngine
 from .gradients import dual_norm, gradient_ascent, pgd_nearest_unsafe
 from .search import LipschitzSearch, lipschitz_search
 
@@ -137,5 +139,5 @@ __all__ = [
     "safety_values", "confidence_interval", "uncertainty", "reachability",
     "project_ball", "project_l1_ball", "lp_norm", "dual_norm",
     "LipschitzSearch", "lipschitz_search", "gradient_ascent", "pgd_nearest_unsafe", "certified_radius",
-    "SafetyQuantification", "quantify_safety",
+    "SafetyQuantification", "quantify_safety", "SafeRadiusEngine",
 ]

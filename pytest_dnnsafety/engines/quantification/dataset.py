@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import progress
-from ...data import iter_batches, known_length
-from ...errors import ConfigError, DataError, MetricError
-from ...outputs import ForwardGuard, model_dtype_device
+from ...errors import ConfigError, MetricError
+from ..runner import Batch, Runner
 from .certified import certified_radius
 from .common import BOUND_METHODS, _check_choice, _check_expression, _check_int, _real, lp_norm
+from .engine import WORST_COLUMNS, SafeRadiusEngine
 from .gradients import pgd_nearest_unsafe
-from .search import LipschitzSearch, lipschitz_search
+from .search import lipschitz_search
 
 __all__ = ["STATISTICS", "SafetyQuantification", "quantify_safety"]
 
@@ -40,6 +39,8 @@ STATISTIC_LABELS = {"estimate": "estimate (heuristic lower bound on Q ⇒ not a 
 _INSIDE = 1 - 1e-5
 #: How many offending inputs the messages name.
 _NAMED = 5
+#: Why the PGD check was given up.
+_NO_GRADIENT = "the model gives no input gradient"
 
 
 def _quantile(values: Tensor, q: float) -> float:
@@ -303,6 +304,7 @@ def quantify_safety(
     ascent_steps: int = 10,
     ascent_starts: int = 4,
     pgd_check: bool = True,
+    shard: Any = None,
 ) -> SafetyQuantification:
     """:func:`lipschitz_search` (and :func:`certified_radius` with ``certified="crown"``/``"ibp"``) over ``data``.
 
@@ -314,6 +316,13 @@ def quantify_safety(
     ``"certified"`` radii (the default; needs ``certified``) or the ``"estimate"``.
     ``pgd_check``: run PGD on ``s`` (``iterations`` steps, ``starts`` restarts) inside each
     input's estimated radius and, when the certificate is gated, its certified radius.
+
+    The batches go through a :class:`~pytest_dnnsafety.engines.runner.Runner` (a ``DataLoader``
+    streams) into a :class:`.engine.SafeRadiusEngine`, which keeps each input's results (the
+    quantile needs them all: a few scalars per input, never the inputs) and the ``worst`` inputs.
+    ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the data; the draws are
+    keyed by the global input index, and the engine is all-reduced, so every rank gets the
+    single-process result.
     """
     from ..robustness.bounds import BoundedModel, UnsupportedLayerError
 
@@ -330,30 +339,31 @@ def quantify_safety(
                           "None). Fix: keep certified=True (CROWN) or 'ibp', or gate the heuristic estimate "
                           "explicitly with statistic='estimate'.")
     _check_expression(expression, label, eps)
-    _, model_device = model_dtype_device(model)
-    target = model_device or torch.device(device)
-    guard = ForwardGuard("min_safe_radius: model on the pattern search's points")
+    runner = Runner("min_safe_radius", model=model, device=device, batch_size=batch_size, labels="ignored",
+                    shard=shard)
+    guard = runner.guard("min_safe_radius: model on the pattern search's points")
     bounded, reason = None, None
     if certified is not None:
         try:
             bounded = BoundedModel(model)
         except UnsupportedLayerError as exc:
             reason = str(exc)
-    parts: dict[str, list[Tensor]] = {k: [] for k in ("s", "q", "radius", "iterations", "evaluations", "converged",
-                                                      "unsafe", "linf", "applicable", "certified", "q_ratio",
-                                                      "q_gradient", "pgd")}
-    kept: dict[str, Tensor] | None = None
+    engines: list[SafeRadiusEngine] = []  # built on the first batch (the inputs' shape and dtype)
     outputs_seen, settings = outputs, {}
     pgd_reason: str | None = None if pgd_check else "pgd_check=False"
-    total, done = known_length(data) or 0, 0
-    for x, _ in iter_batches(data, batch_size):
-        x = torch.as_tensor(x).to(target, non_blocking=target.type != "cpu")
+
+    def step(batch: Batch) -> None:
+        nonlocal outputs_seen, settings, bounded, reason, pgd_reason
+        x, start = batch.x, batch.start
         res = lipschitz_search(model, x, expression, d=d, label=label, eps=eps, norm=norm, method=method,
-                               iterations=iterations, starts=starts, clip=clip, seed=seed, index_offset=done,
+                               iterations=iterations, starts=starts, clip=clip, seed=seed, index_offset=start,
                                expansion=expansion, contraction=contraction, mesh_tol=mesh_tol, mesh_init=mesh_init,
                                outputs=outputs_seen, guard=guard, max_batch=max_batch, ascent_steps=ascent_steps,
                                ascent_starts=ascent_starts)
         outputs_seen, settings = res.outputs, res.settings  # detected once, on the first batch
+        if not engines:
+            engines.append(SafeRadiusEngine(worst, tuple(res.x_hat.shape[1:]), str(res.x_hat.dtype).split(".")[-1],
+                                            device=res.s.device))
         cert = None
         if bounded is not None:
             cert, why = certified_radius(model, x, expression, d=d, label=label, eps=eps, clip=clip,
@@ -361,9 +371,8 @@ def quantify_safety(
                                          bounded=bounded)
             if cert is None:
                 bounded, reason = None, why
-                parts["certified"] = []
         xin = x.to(res.x_hat.dtype)
-        unsafe, pgd = res.unsafe_distance, torch.full_like(res.s, math.inf)
+        unsafe, pgd = res.unsafe_distance, None
         if pgd_reason is None:
             # PGD inside the estimated radius and, when it is gated, the certified one (one batch of 2N rows)
             claims = [res.radius] + ([cert] if statistic == "certified" and cert is not None else [])
@@ -373,94 +382,73 @@ def quantify_safety(
                 model, xin.repeat(k, *(1,) * (xin.ndim - 1)), settings["expression"], settings["eps"], outputs_seen,
                 res.top.repeat(k), res.other.repeat(k), radii, norm=norm, clip=settings["clip"] and tuple(
                     settings["clip"]), steps=iterations, restarts=starts, seed=seed,
-                index=torch.arange(done, done + x.shape[0], device=xin.device).repeat(k), max_batch=max_batch,
-                guard=guard)
+                index=batch.rows.to(xin.device).repeat(k), max_batch=max_batch, guard=guard)
             if found is None:
-                pgd_reason = "the model gives no input gradient"
+                pgd_reason = _NO_GRADIENT
             else:
                 pgd = found[0].reshape(k, -1).amin(dim=0)
                 pgd = torch.where(res.applicable, pgd, torch.full_like(pgd, math.inf))
                 unsafe = torch.minimum(unsafe, pgd)
         linf = (res.x_hat - xin).flatten(1).abs().amax(dim=1).to(torch.float64)
-        for key, value in (("s", res.s), ("q", res.q), ("radius", res.radius), ("iterations", res.iterations),
-                           ("evaluations", res.evaluations), ("converged", res.converged), ("unsafe", unsafe),
-                           ("linf", linf), ("applicable", res.applicable), ("q_ratio", res.q_ratio),
-                           ("q_gradient", res.q_gradient), ("pgd", pgd)):
-            parts[key].append(value)
-        if cert is not None:
-            parts["certified"].append(cert)
-        if worst:
-            key = cert if statistic == "certified" and cert is not None else res.radius
-            kept = _keep_worst(kept, res, key, cert, unsafe, xin, linf, done, worst)
-        done += int(x.shape[0])
-        progress.tick(done, total, "inputs")
-    if done == 0:
-        raise DataError("min_safe_radius: the data set is empty. Fix: give at least one input.")
-    guard.check()  # the PGD check's forward passes too
-    cat = {k: torch.cat(v).cpu() for k, v in parts.items() if v}
-    applicable = cat["applicable"]
+        values = {"s": res.s, "q": res.q, "radius": res.radius, "iterations": res.iterations,
+                  "evaluations": res.evaluations, "converged": res.converged, "unsafe": unsafe, "linf": linf,
+                  "applicable": res.applicable, "certified": cert, "q_ratio": res.q_ratio,
+                  "q_gradient": res.q_gradient, "pgd": pgd}
+        gated = cert if statistic == "certified" and cert is not None else res.radius
+        engines[0].update(start, values, gated=gated, x=xin, x_hat=res.x_hat, s_hat=res.s_hat,
+                          dist=lp_norm((res.x_hat - xin).flatten(1).to(torch.float64), res.settings["norm"]))
+
+    runner.run(data, step)
+    engine = engines[0]
+    if shard is not None:
+        engine.sync()  # every rank had batches (a shard holds at least one)
+    out = engine.compute()
+    applicable = out["applicable"]
     if not bool(applicable.any()):
         raise MetricError(f"min_safe_radius: the expression {expression!r} applies to no input: every input's top "
                           f"class is the other class (label={label!r}). Fix: pick another label, or use "
                           f"expression='top_vs_runner_up'.")
-    cert_all = cat.get("certified") if bounded is not None else None
+    if out["no_certificate"] and reason is None and certified is not None:
+        reason = "the certified bounds failed on another torchrun rank's shard"
+    if out["no_pgd"] and pgd_reason is None:
+        pgd_reason = _NO_GRADIENT
+    cert_all = out["certified"] if certified is not None and not out["no_certificate"] else None
     if statistic == "estimate":
-        value = _quantile(cat["radius"], float(quantile))
+        value = _quantile(out["radius"], float(quantile))
     else:
         value = math.nan if cert_all is None else _quantile(cert_all, float(quantile))
-    listed, points = _worst_list(kept, norm, cert_all is not None)
+    listed, points = _worst_list(engine, out["worst_rows"], norm, cert_all is not None)
     settings = {**settings, "statistic": statistic, "certified": certified, "pgd_steps": iterations,
                 "pgd_restarts": starts}
     return SafetyQuantification(
-        value=value, quantile=float(quantile), n=done, s=cat["s"], q=cat["q"], radius=cat["radius"],
-        iterations=cat["iterations"], evaluations=cat["evaluations"], converged=cat["converged"],
-        unsafe_distance=cat["unsafe"], linf_distance=cat["linf"], applicable=applicable, outputs=outputs_seen,
+        value=value, quantile=float(quantile), n=out["n"], s=out["s"], q=out["q"], radius=out["radius"],
+        iterations=out["iterations"], evaluations=out["evaluations"], converged=out["converged"],
+        unsafe_distance=out["unsafe"], linf_distance=out["linf"], applicable=applicable, outputs=outputs_seen,
         settings=settings, worst=listed, worst_points=points, certified=cert_all,
         certified_method=certified if cert_all is not None else None,
         certified_reason=None if cert_all is not None else (reason or "not requested (certified=False)"),
-        statistic=statistic, q_ratio=cat["q_ratio"], q_gradient=cat["q_gradient"],
-        pgd_distance=cat["pgd"] if pgd_reason is None else None, pgd_reason=pgd_reason)
+        statistic=statistic, q_ratio=out["q_ratio"], q_gradient=out["q_gradient"],
+        pgd_distance=out["pgd"] if pgd_reason is None else None, pgd_reason=pgd_reason)
 
 
-def _keep_worst(kept: dict[str, Tensor] | None, res: LipschitzSearch, gated: Tensor, cert: Tensor | None,
-                unsafe: Tensor, x: Tensor, linf: Tensor, offset: int, k: int) -> dict[str, Tensor]:
-    """The running ``k`` inputs with the smallest gated radii (ties by index), merged on the device."""
-    n = res.s.shape[0]
-    key = torch.where(res.applicable, torch.nan_to_num(gated, nan=math.inf), torch.full_like(res.radius, math.inf))
-    batch = {"key": key, "index": torch.arange(offset, offset + n, device=key.device), "s": res.s, "q": res.q,
-             "estimate": res.radius, "s_hat": res.s_hat, "iterations": res.iterations, "linf": linf,
-             "dist": lp_norm((res.x_hat - x).flatten(1).to(torch.float64), res.settings["norm"]),
-             "unsafe": unsafe, "applicable": res.applicable,
-             "certified": cert if cert is not None else torch.full_like(key, math.nan),
-             "x": x, "x_hat": res.x_hat}
-    if kept is not None:
-        batch = {name: torch.cat([kept[name], value]) for name, value in batch.items()}
-    order = torch.sort(batch["key"], stable=True).indices[:k]
-    return {name: value[order] for name, value in batch.items()}
-
-
-def _worst_list(kept: dict[str, Tensor] | None, norm: str,
+def _worst_list(engine: SafeRadiusEngine, rows: Tensor | None, norm: str,
                 with_cert: bool) -> tuple[tuple[dict[str, Any], ...], tuple[tuple[Tensor, Tensor], ...]]:
-    if kept is None:
+    """The kept worst rows as JSON-able dicts and their ``(x, x̂)`` pairs (inputs the expression skips left out)."""
+    if rows is None:
         return (), ()
-    rows = {k: v.cpu() for k, v in kept.items()}
-    listed, points = [], []
-    for i in range(rows["key"].shape[0]):
-        if not bool(rows["applicable"][i]):
-            continue
+    rows = rows[rows[:, WORST_COLUMNS.index("applicable")] != 0]
+    col = {name: rows[:, i].tolist() for i, name in enumerate(WORST_COLUMNS)}
+    listed, pairs = [], engine.worst_points(rows)
+    for i, (_, x_hat) in enumerate(pairs):
         entry: dict[str, Any] = {
-            "index": int(rows["index"][i]), "s": float(rows["s"][i]), "q": float(rows["q"][i]),
-            "estimate": float(rows["estimate"][i]), "gated": _num(float(rows["key"][i])),
-            "s_hat": float(rows["s_hat"][i]),
-            "linf_distance": float(rows["linf"][i]), f"{norm}_distance": float(rows["dist"][i]),
-            "iterations": int(rows["iterations"][i]),
-            "unsafe_distance": _num(float(rows["unsafe"][i])),
+            "index": int(col["index"][i]), "s": col["s"][i], "q": col["q"][i], "estimate": col["estimate"][i],
+            "gated": _num(col["key"][i]), "s_hat": col["s_hat"][i], "linf_distance": col["linf"][i],
+            f"{norm}_distance": col["dist"][i], "iterations": int(col["iterations"][i]),
+            "unsafe_distance": _num(col["unsafe"][i]),
         }
         if with_cert:
-            entry["certified"] = _num(float(rows["certified"][i]))
-        x_hat = rows["x_hat"][i]
+            entry["certified"] = _num(col["certified"][i])
         if x_hat.numel() <= 4096:
             entry["x_hat"] = [round(float(v), 6) for v in x_hat.reshape(-1).tolist()]
         listed.append(entry)
-        points.append((rows["x"][i], x_hat))
-    return tuple(listed), tuple(points)
+    return tuple(listed), tuple(pairs)
