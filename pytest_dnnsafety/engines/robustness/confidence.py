@@ -28,6 +28,7 @@ from torch import Tensor
 from ...errors import ConfigError, DataError, DnnSafetyError, MetricError
 from ...outputs import ForwardGuard, eval_mode, model_dtype_device
 from ..base import Engine, topk
+from ..checks import check_count
 from ..runner import Runner
 from .attacks import OUTPUTS, check_clip, detect_outputs, log_probs
 from .perturbations import family_name
@@ -325,8 +326,7 @@ def assess_adversarial_confidence(
     clip = check_clip(clip)
     if outputs not in ("auto", *OUTPUTS):
         raise ConfigError(f"adversarial confidence: outputs={outputs!r} is not one of {['auto', *OUTPUTS]}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"adversarial confidence: batch_size={batch_size!r} is not a positive integer.")
+    check_count(batch_size, "batch_size", fix="give a positive batch size, e.g. batch_size=256.")
     _, model_device = model_dtype_device(model)
     target = model_device if model_device is not None else torch.device(device)
     # the sums are float64, which MPS lacks: there they live on the CPU (one copy per batch)

@@ -34,6 +34,7 @@ from torch import Tensor
 from ...errors import ConfigError, DataError, MetricError
 from ...outputs import model_dtype_device
 from ..base import Engine, topk
+from ..checks import check_count, check_positive
 from ..runner import Runner
 from .attacks import check_clip
 
@@ -46,11 +47,11 @@ UNKNOWN, VERIFIED, FALSIFIED = 0, 1, 2
 METHODS = ("crown", "ibp")
 #: At most this many counterexamples are kept in a result.
 MAX_COUNTEREXAMPLES = 5
+
+
 def _check_eps(eps: Any) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ConfigError(f"eps={eps!r} is not a positive finite L∞ radius. Fix: give the perturbation budget in "
-                          f"input units, e.g. eps=0.02 for inputs in [0, 1].")
-    return float(eps)
+    return check_positive(eps, "eps", fix="give the L∞ radius (the perturbation budget) in input units, e.g. "
+                          "eps=0.02 for inputs in [0, 1].")
 
 
 def _check_method(method: Any) -> str:
@@ -231,12 +232,6 @@ class VerificationEngine(Engine):
         )
 
 
-def _check_int(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name}={value!r} is not an integer ≥ {least}.")
-    return value
-
-
 def verify_robustness(
     model: torch.nn.Module,
     data: Any,
@@ -282,9 +277,10 @@ def verify_robustness(
     eps = _check_eps(eps)
     method = _check_method(method)
     clip = check_clip(clip)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    seed = 0 if seed is None else _check_int("seed", seed, 0)
-    attack_steps = _check_int("attack_steps", attack_steps, 0)
+    batch_size = check_count(batch_size, "batch_size", fix="give a positive batch size, e.g. batch_size=256.")
+    seed = 0 if seed is None else check_count(seed, "seed", 0, fix="give a non-negative integer seed, e.g. seed=0.")
+    attack_steps = check_count(attack_steps, "attack_steps", 0, fix="give the PGD steps, e.g. attack_steps=20 (0: "
+                               "no attack).")
     bounded = BoundedModel(model)
     dtype, model_device = model_dtype_device(model)
     target = model_device or torch.device(device)
