@@ -35,10 +35,14 @@ Empty cases, defined explicitly:
   assumes a confident detection). Kept, as eq. (5) defines it, and counted (``below_rho``), so a
   low value can be traced to unconfident inputs.
 
-:class:`OcclusionEngine` keeps sums, minima, maxima and counts (mergeable across workers);
-:func:`assess_occlusion` runs a model, data and masks through it. Pure torch; no pytest import;
-no Python loop over positions (the occluded copies of a batch go to the model in chunks of at
-most ``max_batch`` images).
+:class:`OcclusionEngine` keeps counts, minima, maxima, the per-input values (16 bytes per input,
+for means that do not depend on the batch split) and the worst inputs (``topk`` states, ties
+broken by the input index); it merges across workers and all-reduces across torchrun ranks.
+:func:`assess_occlusion` runs a model, data and masks through it, batch by batch through the
+:class:`~pytest_dnnsafety.engines.runner.Runner` (a ``DataLoader`` streams; only the masks, one
+boolean per pixel, are held whole). Pure torch; no pytest import; no Python loop over positions
+(the occluded copies of a batch go to the model in chunks of at most ``max_batch`` images: the
+chunking of one batch's queries, not a pass over the data).
 """
 
 from __future__ import annotations
