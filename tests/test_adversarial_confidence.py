@@ -102,8 +102,9 @@ def test_merge_equals_one_engine_on_all_data():
         (a if i % 2 else b).update(*batch, rows=rows)
     a.merge(b)
     for name, state in whole.states().items():
-        torch.testing.assert_close(getattr(a, name), state, rtol=1e-12, atol=1e-12)
-    assert a.compute().loss == pytest.approx(whole.compute().loss)
+        if name != "drops":  # per-input rows, in the order merged (compute sums them in index order)
+            torch.testing.assert_close(getattr(a, name), state, rtol=1e-12, atol=1e-12)
+    assert a.compute() == whole.compute()  # bit for bit
     with pytest.raises(ValueError, match="n_families"):
         a.merge(AdversarialConfidenceEngine(2))
 

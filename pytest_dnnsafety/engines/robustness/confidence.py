@@ -138,8 +138,11 @@ def _json_float(value: float) -> float | str:
 class AdversarialConfidenceEngine(Engine):
     """Sums for M_adv (eq. (4)) over ``n_families`` perturbation families; see the module docstring.
 
-    States: ``sum`` of ``n``, ``clean_correct``, ``all_correct`` (int64), ``worst_drop_sum``
-    (float64), and per family ``drop_sum`` (float64), ``robust_correct`` and ``argworst`` (int64);
+    States: ``sum`` of ``n``, ``clean_correct``, ``all_correct`` (int64), and per family
+    ``robust_correct`` and ``argworst`` (int64); ``drops``, a ``cat`` state of one float64 row per
+    input (its index, its worst drop, its drop under each family: ``8 (F + 2)`` bytes an input),
+    summed in index order by :meth:`compute`, so the means are the same bit for bit whatever the
+    batch split, the merge order or the ranks;
     ``label_counts`` (``sum``, one per class of ``n_classes``: the chance accuracy); the data's
     range, for the checks after the pass: ``input_min``/``input_max`` (float64) and
     ``label_min``/``label_max`` (int64); and ``worst``, the :data:`WORST_INPUTS` inputs with the
@@ -159,8 +162,7 @@ class AdversarialConfidenceEngine(Engine):
         i64, f64 = torch.int64, torch.float64
         self.add_state("n", torch.zeros((), dtype=i64), "sum")
         self.add_state("clean_correct", torch.zeros((), dtype=i64), "sum")
-        self.add_state("worst_drop_sum", torch.zeros((), dtype=f64), "sum")
-        self.add_state("drop_sum", torch.zeros(n_families, dtype=f64), "sum")
+        self.add_state("drops", torch.zeros(0, n_families + 2, dtype=f64), "cat")
         self.add_state("robust_correct", torch.zeros(n_families, dtype=i64), "sum")
         self.add_state("all_correct", torch.zeros((), dtype=i64), "sum")
         self.add_state("argworst", torch.zeros(n_families, dtype=i64), "sum")
@@ -201,14 +203,13 @@ class AdversarialConfidenceEngine(Engine):
         worst, which = drops.max(dim=0)
         self.n = self.n + n
         self.clean_correct = self.clean_correct + correct_clean.sum()
-        self.worst_drop_sum = self.worst_drop_sum + worst.sum()
-        self.drop_sum = self.drop_sum + drops.sum(dim=1)
         self.robust_correct = self.robust_correct + correct_pert.sum(dim=1)
         self.all_correct = self.all_correct + (correct_clean & correct_pert.all(dim=0)).sum()
         self.argworst = self.argworst.scatter_add(0, which, torch.ones_like(which))
         p_worst = p_pert.gather(0, which[None]).squeeze(0)
-        self.append_state("worst", torch.stack([worst, rows.to(dev, torch.float64), which.to(torch.float64), p_clean,
-                                                p_worst], dim=1))
+        index = rows.to(dev, torch.float64)
+        self.append_state("drops", torch.cat([index[:, None], worst[:, None], drops.T], dim=1))
+        self.append_state("worst", torch.stack([worst, index, which.to(torch.float64), p_clean, p_worst], dim=1))
         if labels is not None and labels.numel():
             labels = labels.detach().to(dev, torch.int64)
             self.label_min = torch.minimum(self.label_min, labels.amin())
@@ -231,7 +232,9 @@ class AdversarialConfidenceEngine(Engine):
         if n == 0:
             raise MetricError("adversarial confidence loss: no inputs were folded in; M_adv (eq. 4) is a mean over "
                               "inputs. Fix: give the gate labelled evaluation data with at least one sample.")
-        loss = float(self.worst_drop_sum) / n
+        rows = self.drops.cpu()  # summed on the host in index order: the same sums on every device and split
+        sums = rows[torch.sort(rows[:, 0], stable=True).indices, 1:].sum(dim=0).tolist()
+        loss = sums[0] / n
         names = tuple(family_names) if family_names else tuple(f"family {i}" for i in range(self.n_families))
         drop, idx, which, pc, pp = self.worst.cpu().T.tolist() if len(self.worst) else ([],) * 5
         worst = tuple({"index": int(i), "family": names[int(w)], "p_clean": float(c), "p_perturbed": float(p),
@@ -241,7 +244,7 @@ class AdversarialConfidenceEngine(Engine):
             n=n,
             m_adv=-loss,
             loss=loss,
-            per_family_loss=tuple(float(v) / n for v in self.drop_sum.tolist()),
+            per_family_loss=tuple(v / n for v in sums[1:]),
             robust_accuracy=tuple(float(v) / n for v in self.robust_correct.tolist()),
             robust_accuracy_all=int(self.all_correct) / n,
             clean_accuracy=int(self.clean_correct) / n,
