@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import progress
+from .data import known_length
 from .errors import ConfigError, DataError, DnnSafetyError, MetricError
-from .loading import iter_batches, known_length
 
 __all__ = ["LayerActivations", "ModelOutputs", "ActivationCache", "capture", "check_layers", "layer_names",
            "REDUCTIONS"]
@@ -188,15 +187,15 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
     return {layer: modules[layer] for layer in layers}
 
 
-def _model_device(model: torch.nn.Module, fallback: torch.device) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return fallback
+def _model_device(model: Any, fallback: torch.device | str) -> torch.device:
+    """The device of the model's first parameter or buffer, else ``fallback`` (see the runner's ``model_device``)."""
+    from .engines.runner import model_device
+
+    return model_device(model, fallback)
 
 
-def _known_length(data: Any) -> int:
-    """The number of inputs in ``data`` when known without reading it (for progress); else 0."""
-    return known_length(data) or 0
+#: What the pass is called in its error messages (the runner's and the forward guard's).
+WHAT = "layer activations (forward pass of the neuron gates)"
 
 
 def capture(
@@ -208,26 +207,34 @@ def capture(
     device: torch.device | str = "cpu",
     outputs: list[ModelOutputs] | None = None,
     batches: tuple[int, int] | None = None,
+    shard: Any = None,
 ) -> dict[str, LayerActivations]:
     """One forward pass over ``data`` recording per-neuron reductions of ``layers`` (max, mean, min).
 
-    With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it. With ``batches``
-    ``(start, stop)`` only those batches are forwarded (a torchrun rank's share, see
-    :func:`pytest_dnnsafety.ranks.batch_shard`): the model sees exactly the batches a whole pass
-    would give it, so the shard's rows are bit-identical to the same rows of a whole pass.
+    With ``outputs`` (a list), the pass's :class:`ModelOutputs` is appended to it. With ``shard``
+    (a torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard`, see
+    :func:`pytest_dnnsafety.ranks.batch_shard`) only that rank's batches are forwarded: the model
+    sees exactly the batches a whole pass would give it, so the shard's rows are bit-identical to
+    the same rows of a whole pass (``batches=(start, stop)``, the older spelling, is turned into
+    the same shard). No agreement between the ranks happens here: the caller merges.
 
-    Batches come from :func:`~pytest_dnnsafety.loading.iter_batches` (which refuses data in a
-    random order: row i must stay sample i) and go to the model's own device (``device`` only for
-    a model without parameters); the reductions stay there. Every call of the model goes through
-    a :class:`~pytest_dnnsafety.outputs.ForwardGuard`: an exception becomes a
+    The batch loop is the engine :class:`~pytest_dnnsafety.engines.runner.Runner`'s: batches from
+    any accepted data form without materialising it (a DataLoader streams and must read in order:
+    row i stays sample i), inputs to the model's own device (``device`` only for a model without
+    parameters), the inputs' NaN/inf check, progress ticks. Every call of the model goes through
+    the runner's :class:`~pytest_dnnsafety.outputs.ForwardGuard`: an exception becomes a
     :class:`MetricError` naming the batch, the shapes and dtypes and a fix, and the model's final
     output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
-    finiteness of the outputs and of the captured values is checked once at the end.
+    the deferred checks and the finiteness of the captured values are read once at the end.
     """
-    from .outputs import ForwardGuard, eval_mode, probing
+    from .engines.runner import Runner
+    from .outputs import eval_mode, probing
 
     modules = _resolve_layers(model, layers)
-    target = _model_device(model, torch.device(device))
+    if shard is None and batches is not None:
+        shard = _batch_range(data, batch_size, batches)
+    runner = Runner(WHAT, model=model, device=device, batch_size=batch_size, shard=shard)
+    guard = runner.guard(WHAT, labels_ok=True)
     maxima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     minima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
@@ -256,83 +263,115 @@ def capture(
 
         return hook
 
-    guard = ForwardGuard("layer activations (forward pass of the neuron gates)", labels_ok=True)
+    def step(batch: Any) -> None:
+        out = guard(model, batch.x)
+        if outputs is not None:
+            if out.ndim == 1:  # a label-returning model
+                preds.append(out.long())
+                confs.append(torch.ones(out.shape[0], device=out.device))
+            else:
+                conf, pred = torch.softmax(out.float(), dim=1).max(dim=1)
+                preds.append(pred)
+                confs.append(conf)
+                raw.append(out.detach().float())
+            if batch.y is not None:
+                labels.append(batch.y.to(out.device, non_blocking=out.device.type != "cpu"))
+        sizes.append(batch.n)
+
     handles = [module.register_forward_hook(hook_for(layer)) for layer, module in modules.items()]
     try:
         with eval_mode(model), torch.no_grad():
-            total, done = (_known_length(data), 0) if batches is None else (0, 0)
-            for index, (x, y) in enumerate(iter_batches(data, batch_size)):
-                if batches is not None and index < batches[0]:
-                    continue
-                if batches is not None and index >= batches[1]:
-                    break
-                x = x.to(target, non_blocking=target.type != "cpu")
-                out = guard(model, x)
-                if outputs is not None:
-                    if out.ndim == 1:  # a label-returning model
-                        preds.append(out.long())
-                        confs.append(torch.ones(out.shape[0], device=out.device))
-                    else:
-                        conf, pred = torch.softmax(out.float(), dim=1).max(dim=1)
-                        preds.append(pred)
-                        confs.append(conf)
-                        raw.append(out.detach().float())
-                    if y is not None:
-                        labels.append(y.to(out.device, non_blocking=out.device.type != "cpu").long())
-                sizes.append(int(x.shape[0]))
-                done += sizes[-1]
-                progress.tick(done, total, "inputs")
+            runner.run_local(data, step)
     finally:
         for handle in handles:
             handle.remove()
-    if not sizes:
-        raise DataError("no inputs: the data set is empty. Fix: provide evaluation data with at least one sample.")
-    guard.check()
+    if shard is not None and sum(sizes) != shard.n_local:
+        raise DataError(
+            f"the data yielded {sum(sizes)} rows in batches {shard.batches[0]}..{shard.batches[1] - 1}, "
+            f"where rank {shard.rank} of {shard.world_size} expects rows {shard.rows[0]}..{shard.rows[1] - 1} "
+            f"of {shard.n_rows}: the data's length or batches changed while it was read. Fix: give data of a "
+            f"fixed length whose batches (except the last) all have the batch size")
     if outputs is not None:
         outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
                                     torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes,
                                     torch.cat(raw) if len(raw) == len(sizes) else None))
-    result = {}
-    for layer in layers:
-        if len(maxima[layer]) != len(sizes):
-            raise MetricError(
-                f"layer {layer!r} was called {len(maxima[layer])} time(s) in {len(sizes)} batch(es); neuron metrics "
-                f"need exactly one output per input. Fix: name a layer the model calls once per forward pass "
-                f"(not a reused or unused module)."
-            )
-        mx, mn, lo = torch.cat(maxima[layer]), torch.cat(means[layer]), torch.cat(minima[layer])
-        if mx.shape[0] != sum(sizes):
-            raise MetricError(
-                f"layer {layer!r} produced {mx.shape[0]} rows for {sum(sizes)} inputs; neuron metrics need the "
-                f"batch as the first dimension of the layer's output."
-            )
-        bad = ~(torch.isfinite(mx).all(dim=1) & torch.isfinite(mn).all(dim=1) & torch.isfinite(lo).all(dim=1))
-        if bool(bad.any()):
-            first = int(torch.nonzero(bad)[0])
-            batch, start = 0, 0
-            while start + sizes[batch] <= first:
-                start += sizes[batch]
-                batch += 1
-            raise MetricError(
-                f"layer {layer!r} produced NaN/inf activations for {int(bad.sum())} of {mx.shape[0]} inputs; the first "
-                f"is input {first} (batch {batch}). Fix: check the model's weights and the inputs' range."
-            )
-        result[layer] = LayerActivations(layer, mx, mn, shapes[layer], lo)
-    return result
+    return {layer: _layer_result(layer, maxima[layer], means[layer], minima[layer], shapes.get(layer), sizes,
+                                 0 if shard is None else shard.batches[0], 0 if shard is None else shard.rows[0])
+            for layer in layers}
+
+
+def _layer_result(layer: str, maxima: list[Tensor], means: list[Tensor], minima: list[Tensor],
+                  shape: tuple[int, ...] | None, sizes: list[int], first_batch: int, first_row: int
+                  ) -> LayerActivations:
+    """One layer's captured batches joined and checked (once called per batch, finite: one host sync)."""
+    if len(maxima) != len(sizes) or shape is None:
+        raise MetricError(
+            f"layer {layer!r} was called {len(maxima)} time(s) in {len(sizes)} batch(es); neuron metrics "
+            f"need exactly one output per input. Fix: name a layer the model calls once per forward pass "
+            f"(not a reused or unused module)."
+        )
+    mx, mn, lo = torch.cat(maxima), torch.cat(means), torch.cat(minima)
+    if mx.shape[0] != sum(sizes):
+        raise MetricError(
+            f"layer {layer!r} produced {mx.shape[0]} rows for {sum(sizes)} inputs; neuron metrics need the "
+            f"batch as the first dimension of the layer's output."
+        )
+    bad = ~(torch.isfinite(mx).all(dim=1) & torch.isfinite(mn).all(dim=1) & torch.isfinite(lo).all(dim=1))
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        batch, start = 0, 0
+        while start + sizes[batch] <= first:
+            start += sizes[batch]
+            batch += 1
+        raise MetricError(
+            f"layer {layer!r} produced NaN/inf activations for {int(bad.sum())} of {mx.shape[0]} inputs; the first "
+            f"is input {first_row + first} (batch {first_batch + batch}). Fix: check the model's weights and the "
+            f"inputs' range."
+        )
+    return LayerActivations(layer, mx, mn, shape, lo)
+
+
+def _batch_range(data: Any, batch_size: int, batches: tuple[int, int]) -> Any:
+    """The :class:`~pytest_dnnsafety.ranks.Shard` of ``data`` holding batches ``start..stop-1`` (``capture(batches=)``)."""
+    from .ranks import Shard
+
+    n = known_length(data)
+    if n is None:
+        raise DataError("capture(batches=...): the data's length is unknown without reading it. Fix: give sized "
+                        "data, or no batches=")
+    step = data.batch_size if isinstance(data, torch.utils.data.DataLoader) and data.batch_size else batch_size
+    start, stop = batches
+    return Shard(rank=0, world_size=1, batches=(start, stop), rows=(min(n, start * step), min(n, stop * step)),
+                 n_rows=n)
+
+
+class _Same:
+    """A key part that is one object: equal only to itself (``is``), hashed by identity, kept alive by the key."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
 class ActivationCache:
-    """Session-wide store of captured activations, keyed by (model, data, layer).
+    """Session-wide store of captured activations, keyed by (model, data, shard, layer).
 
-    Entries keep a reference to their model and data, so the ``id`` keys cannot be reused by
-    other objects while the cache lives. ``forward_passes`` counts the passes actually run.
+    The keys hold the model and the data *objects* (compared by identity, like
+    :meth:`pytest_dnnsafety.gates.core.GateContext.memo`), so they stay alive while the cache
+    lives and no other object can take their place. ``forward_passes`` counts the passes run.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int, str], LayerActivations] = {}
-        self._errors: dict[tuple[int, int, str], Exception] = {}
-        self._keep: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self._outputs: dict[tuple[int, int], ModelOutputs] = {}
+        self._entries: dict[tuple[Any, ...], LayerActivations] = {}
+        self._errors: dict[tuple[Any, ...], Exception] = {}
+        self._outputs: dict[tuple[Any, ...], ModelOutputs] = {}
         self.forward_passes = 0
 
     def get(
@@ -390,24 +429,16 @@ class ActivationCache:
         return self._outputs[pair]
 
     @staticmethod
-    def _key(model: Any, data: Any, shard: Any) -> tuple[int, int, Any]:
-        return (id(model), id(data), None if shard is None else (shard.batches, shard.rows))
+    def _key(model: Any, data: Any, shard: Any) -> tuple[Any, ...]:
+        return (_Same(model), _Same(data), None if shard is None else (shard.batches, shard.rows))
 
     def _pass(self, model: Any, data: Any, layers: list[str], *, batch_size: int, device: torch.device | str,
               shard: Any = None) -> None:
         pair = self._key(model, data, shard)
-        self._keep[pair] = (model, data)
         self.forward_passes += 1
         sink: list[ModelOutputs] = []
         try:
-            captured = capture(model, data, layers, batch_size=batch_size, device=device, outputs=sink,
-                               batches=None if shard is None else shard.batches)
-            if shard is not None and sink[0].n_inputs != shard.n_local:
-                raise DataError(
-                    f"the data yielded {sink[0].n_inputs} rows in batches {shard.batches[0]}..{shard.batches[1] - 1}, "
-                    f"where rank {shard.rank} of {shard.world_size} expects rows {shard.rows[0]}..{shard.rows[1] - 1} "
-                    f"of {shard.n_rows}: the data's length or batches changed while it was read. Fix: give data of a "
-                    f"fixed length whose batches (except the last) all have the batch size")
+            captured = capture(model, data, layers, batch_size=batch_size, device=device, outputs=sink, shard=shard)
         except DnnSafetyError as exc:
             for layer in (*layers, ""):
                 self._errors[(*pair, layer)] = exc
@@ -419,7 +450,6 @@ class ActivationCache:
     def clear(self) -> None:
         self._entries.clear()
         self._errors.clear()
-        self._keep.clear()
         self._outputs.clear()
 
 

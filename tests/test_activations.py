@@ -342,12 +342,13 @@ def test_fx_traced_module_keeps_working(conv: Conv8, images: tuple) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_in_the_batch_loop_on_cuda(images: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sync debug mode is on exactly while capture works on a batch (moving it, the guarded forward, the hooks)."""
-    from pytest_dnnsafety import activations
+    """Sync debug mode is on exactly while capture works on a batch (moving it, the runner's deferred checks, the
+    guarded forward, the hooks)."""
+    from pytest_dnnsafety.engines import runner
 
     torch.manual_seed(0)
     model = NanLogits().cuda()
-    original = activations.iter_batches
+    original = runner.iter_batches
     seen = []
 
     def strict(data, batch_size):
@@ -359,7 +360,7 @@ def test_no_host_sync_in_the_batch_loop_on_cuda(images: tuple, monkeypatch: pyte
                 torch.cuda.set_sync_debug_mode("default")
             seen.append(batch[0].shape[0])
 
-    monkeypatch.setattr(activations, "iter_batches", strict)
+    monkeypatch.setattr(runner, "iter_batches", strict)  # the runner's batch loop is capture's
     try:
         acts = capture(model, images, ["features.1", "classifier.2"], batch_size=8)
     finally:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
-from pytest_dnnsafety.engines.neurons import _check_activations, _check_count, _check_threshold, _fmt_int
+from pytest_dnnsafety.engines.neuron_checks import _check_activations, _check_count, _check_threshold, _fmt_int
 from pytest_dnnsafety.errors import MetricError
 
 __all__ = ["NeuronPatternEngine", "PatternResult"]

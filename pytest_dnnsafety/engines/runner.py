@@ -241,19 +241,25 @@ class Runner:
         checks inside :func:`pytest_dnnsafety.ranks.together` (a rank that fails tells the others,
         so none waits in a collective), then every engine is all-reduced.
         """
-        def local() -> None:
-            for batch in self.batches(data):
-                step(batch)
-            self.check()
-
         if self.shard is None:
-            local()
+            self.run_local(data, step)
             return
         from .. import ranks
 
-        ranks.together(local)
+        ranks.together(lambda: self.run_local(data, step))
         for engine in engines:
             engine.sync()
+
+    def run_local(self, data: Any, step: Callable[[Batch], None]) -> None:
+        """``step`` on this rank's batches, then :meth:`check`: no agreement between the ranks, no ``sync``.
+
+        For a pass whose per-rank results the caller merges itself (the shared activation pass:
+        every gate reading it agrees and all-reduces its own engine, see
+        :func:`pytest_dnnsafety.ranks.merged`).
+        """
+        for batch in self.batches(data):
+            step(batch)
+        self.check()
 
 
 def _source(data: Any, batch_size: int, shard: Any) -> Iterator[tuple[Tensor, Any]]:
