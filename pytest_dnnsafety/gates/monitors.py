@@ -104,8 +104,8 @@ def _stream(ctx: GateContext, data: Any, family: str, severity: int, *, model: A
 
     def make() -> Any:
         if adversarial:
-            first = _first_batch(data, ctx.batch_size)
-            if first is not None and first[1] is None:
+            first = _first_facts(ctx, data)
+            if first is not None and not first[1]:
                 raise DataError(f"fault family {family!r} attacks the true class, but the evaluation data has no "
                                 "labels. Fix: give labelled data (x, y).")
             if isinstance(model, torch.nn.Module):  # the attack's loss reads the true class
@@ -191,7 +191,7 @@ def _fitted(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str) 
     from ..engines.monitors import fit_monitor
 
     monitor = _monitor(spec, fx, name)
-    _check_like(spec, "fit_data", fx["fit_data"], fx["data"], "data", ctx.batch_size)
+    _check_like(spec, ctx, "fit_data", fx["fit_data"], fx["data"], "data")
     objects = (fx["monitors"], fx["model"], fx["fit_data"])
 
     def fit() -> Any:
@@ -229,15 +229,23 @@ def _scores(ctx: GateContext, monitor: Any, key: tuple[Any, ...], model: Any, da
     return ctx.memo("monitor scores", (*key, data), (monitor.name, ctx.seed), score)
 
 
-def _check_like(spec: GateSpec, role: str, data: Any, reference: Any, ref_role: str, batch_size: int) -> None:
+def _first_facts(ctx: GateContext, data: Any) -> tuple[tuple[int, ...], bool] | None:
+    """(per-sample input shape, labelled?) of ``data`` from its first batch (read once per session); None: empty."""
+    def read() -> tuple[tuple[int, ...], bool] | None:
+        first = _first_batch(data, ctx.batch_size)
+        return None if first is None or first[0].shape[0] == 0 else (tuple(first[0].shape[1:]), first[1] is not None)
+
+    return ctx.memo("monitor first batch", (data,), (ctx.batch_size,), read)
+
+
+def _check_like(spec: GateSpec, ctx: GateContext, role: str, data: Any, reference: Any, ref_role: str) -> None:
     """Inputs of ``data`` have the per-sample shape of ``reference`` (e.g. OOD data vs evaluation data).
 
-    Compares the first batch of each (a batch is read, not the data set)."""
-    first, ref = _first_batch(data, batch_size), _first_batch(reference, batch_size)
-    if first is None or first[0].shape[0] == 0:
+    Compares the first batch of each (one batch read per data set and session, not the data set)."""
+    first, ref = _first_facts(ctx, data), _first_facts(ctx, reference)
+    if first is None:
         raise DataError(f"{spec.marker}: fixture {spec.fixtures[role]!r} is empty. Fix: give at least one input.")
-    shape = tuple(first[0].shape[1:])
-    ref_shape = tuple(ref[0].shape[1:]) if ref is not None else shape
+    shape, ref_shape = first[0], (ref[0] if ref is not None else first[0])
     if shape != ref_shape:
         raise DataError(f"{spec.marker}: fixture {spec.fixtures[role]!r} has inputs of shape {shape}, "
                         f"but {spec.fixtures[ref_role]!r} has {ref_shape}. Fix: give inputs of the shape "
@@ -259,7 +267,7 @@ def _sets(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> list[tuple
                     f"{spec.marker}: faults= includes 'novel', but no novel-class data is configured. Fix: set "
                     "dnnsafety_ood_data (inputs of classes the model never saw), define an `ood_data` fixture, or "
                     "name one with novel=\"my_fixture\".")
-            _check_like(spec, "novel", fx["novel"], fx["data"], "data", ctx.batch_size)
+            _check_like(spec, ctx, "novel", fx["novel"], fx["data"], "data")
             out.append((NOVEL, None, fx["novel"]))
             continue
         for severity in severities[:1] if family in _SEVERITY_FREE else severities:
