@@ -1,8 +1,10 @@
 """Built-in gate family: severity-weighted confusion (``max_weighted_confusion``, Cheng et al. 2018, §II-H).
 
 The engine is :class:`~pytest_dnnsafety.engines.confusion.WeightedConfusionEngine`; the predictions
-come from the session's shared forward pass (:class:`~pytest_dnnsafety.activations.ActivationCache`),
-so a gate on a model and data that another gate already ran costs no forward pass.
+come from the session's shared forward pass (:func:`.shared.outputs_for`), so a gate on a model and
+data that another gate already ran costs no forward pass. Under torchrun (:mod:`pytest_dnnsafety.ranks`)
+each rank forwards only its share of the data's batches and the engine's confusion counts are
+all-reduced (``sum``): the same counts, hence the same value and bound, as one process.
 
 Where the severity matrix comes from, first match wins:
 
@@ -32,44 +34,50 @@ from ..errors import ConfigError, DataError
 from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
+from .shared import outputs_for
 
 __all__ = ["MAX_WEIGHTED_CONFUSION", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_weighted_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Expected severity per input Σ W∘C / N with an upper confidence bound and the per-pair breakdown."""
-    from ..activations import ActivationCache
+    from .. import ranks
     from ..engines.confusion import SeverityMatrix, WeightedConfusionEngine
 
     opts = spec.options
-    cache = ctx.cache.setdefault("activations", ActivationCache())
-    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
-    out = cache.outputs(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device, plan=plan)
-    if out.labels is None:
-        raise DataError(f"fixture {spec.fixtures['data']!r} has no labels; the weighted confusion compares each "
-                        "prediction with the true class. Fix: give labelled data (e.g. an .npz with keys x and y).")
     given, origin = opts["severity"], "marker severity="
     if given is None:
         given, origin = fx["severity_matrix"], f"fixture {spec.fixtures['severity_matrix']!r}"
     elif isinstance(given, (str, PurePath)):
         origin = f"file {given}"
     classes = list(opts["classes"]) if opts["classes"] is not None else None
-    if out.num_classes is not None and classes is not None and len(classes) != out.num_classes:
-        raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has "
-                          f"{out.num_classes} outputs. Fix: name every output, in order.")
-    out.check_labels(spec.fixtures["data"], classes)
-    matrix = SeverityMatrix.load(given, classes, num_classes=out.num_classes, base_dir=ctx.settings.ini_dir,
-                                 default=float(opts["default"]))
-    if matrix.max_weight == 0:  # Σ W∘C / N is 0 by construction: no signal, never a pass (issue #19 §6)
-        raise ConfigError(f"{spec.marker}: the severity matrix of {origin} weighs every misclassification 0 "
-                          f"(no positive entry; pairs it does not list weigh default={opts['default']!r}), so the "
-                          "weighted confusion is 0 whatever the model predicts and the gate could never fail. Fix: "
-                          "give the costly confusions a positive severity, e.g. severity={'1': {'7': 10.0}}, and "
-                          "leave default=1.0 so that unlisted errors count once.")
-    engine = WeightedConfusionEngine(matrix, confidence=opts["confidence"], method=opts["method"],
-                                     device=out.predictions.device)
-    engine.update(out.predictions, out.labels.to(out.predictions.device))
-    res = engine.compute()
+    shard = ctx.shard(fx["data"])  # None: the whole data on every rank
+
+    def local() -> WeightedConfusionEngine:  # this rank's rows; the confusion counts are sums
+        out = outputs_for(spec, fx, ctx, shard=shard)
+        if out.labels is None:
+            raise DataError(f"fixture {spec.fixtures['data']!r} has no labels; the weighted confusion compares each "
+                            "prediction with the true class. Fix: give labelled data (e.g. an .npz with keys x and "
+                            "y).")
+        if out.num_classes is not None and classes is not None and len(classes) != out.num_classes:
+            raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has "
+                              f"{out.num_classes} outputs. Fix: name every output, in order.")
+        out.check_labels(spec.fixtures["data"], classes)
+        matrix = SeverityMatrix.load(given, classes, num_classes=out.num_classes, base_dir=ctx.settings.ini_dir,
+                                     default=float(opts["default"]))
+        if matrix.max_weight == 0:  # Σ W∘C / N is 0 by construction: no signal, never a pass (issue #19 §6)
+            raise ConfigError(f"{spec.marker}: the severity matrix of {origin} weighs every misclassification 0 "
+                              f"(no positive entry; pairs it does not list weigh default={opts['default']!r}), so "
+                              "the weighted confusion is 0 whatever the model predicts and the gate could never "
+                              "fail. Fix: give the costly confusions a positive severity, e.g. "
+                              "severity={'1': {'7': 10.0}}, and leave default=1.0 so that unlisted errors count once.")
+        engine = WeightedConfusionEngine(matrix, confidence=opts["confidence"], method=opts["method"],
+                                         device=out.predictions.device)
+        engine.update(out.predictions, out.labels.to(out.predictions.device))
+        return engine
+
+    engine = ranks.merged(local, shard)  # confusion counts and out-of-range rows: sum
+    res, matrix = engine.compute(), engine.severity
     details = {**res.to_details(top=opts["top"]), "gate_on": opts["gate_on"], "severity_source": origin,
                "severity_matrix_source": matrix.source, "severity_sha256": matrix.digest()}
     if len(res.classes) <= 64:  # small enough to show and plot
@@ -138,6 +146,7 @@ MAX_WEIGHTED_CONFUSION = GateDef(
     fixtures={"model": "model", "data": "dataset", "severity_matrix": "severity_matrix"},
     conditional={"severity_matrix": "!severity"},
     measure=_measure_weighted_confusion,
+    shards=True,  # confusion counts: each rank its share of the batches, then sum
     doc="fail if the expected severity per input Σ W∘C / N (its upper confidence bound by default) exceeds "
         "`threshold` (Cheng et al. 2018, §II-H, Table I)",
 )

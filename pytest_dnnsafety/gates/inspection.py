@@ -3,9 +3,12 @@
 ``max_class_confusion(threshold, layer=...)`` and ``max_class_bias(threshold, layer=...)``. The engine is
 :mod:`pytest_dnnsafety.engines.inspection`; the layer's per-channel max/mean/min and the model's
 predictions (and the data's labels) come from the session's shared forward pass
-(:class:`~pytest_dnnsafety.activations.ActivationCache`): a gate on a model, data and layer that another
-gate already ran costs no forward pass, and the activation threshold is applied afterwards, so gates
-with different thresholds share the pass too.
+(:func:`.shared.activations_for`, :func:`.shared.outputs_for`): a gate on a model, data and layer that
+another gate already ran costs no forward pass, and the activation threshold is applied afterwards, so
+gates with different thresholds share the pass too. Under torchrun (:mod:`pytest_dnnsafety.ranks`) each
+rank forwards only its share of the data's batches and the engine's counts (active units and
+predictions per class, the labelled confusion) are all-reduced (``sum``): the analysis then runs on the
+same counts as one process's, so the values are identical.
 
 **Values.**
 
@@ -45,6 +48,7 @@ from ..errors import ConfigError, MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
+from .shared import activations_for, outputs_for
 
 __all__ = ["MAX_CLASS_CONFUSION", "MAX_CLASS_BIAS", "pytest_dnnsafety_register_gates"]
 
@@ -65,33 +69,46 @@ def _check_layer(model: Any, layer: str, marker: str) -> None:
 
 
 def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: bool) -> Any:
-    """The engine's result for this gate's layer, from the shared forward pass."""
-    from ..activations import ActivationCache
+    """The engine's result for this gate's layer, from the shared forward pass (sharded under torchrun)."""
+    import torch
+
+    from .. import ranks
     from ..engines.inspection import InspectionEngine, layer_activity
 
     opts = spec.options
     model, data, layer = fx["model"], fx["data"], opts["layer"]
     _check_layer(model, layer, spec.marker)
-    cache = ctx.cache.setdefault("activations", ActivationCache())
-    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
-    acts = cache.get(model, data, [layer], batch_size=ctx.batch_size, device=ctx.device, plan=plan)[layer]
-    out = cache.outputs(model, data, batch_size=ctx.batch_size, device=ctx.device, plan=plan)
     classes = list(opts["classes"]) if opts["classes"] is not None else None
+    shard = ctx.shard(data)  # None: the whole data on every rank
+
+    def read() -> tuple[Any, Any, int]:  # this rank's rows of the shared pass, checked
+        acts = activations_for(spec, fx, ctx, [layer], shard=shard)[layer]
+        out = outputs_for(spec, fx, ctx, shard=shard)
+        k = out.num_classes
+        if k is not None and classes is not None and len(classes) != k:
+            raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has {k} outputs. "
+                              "Fix: name every output, in order.")
+        out.check_labels(spec.fixtures["data"], classes)
+        top = -1
+        if k is None and classes is None:  # a label-returning model: the largest class index seen
+            top = int(out.predictions.max() if out.labels is None
+                      else torch.maximum(out.predictions.max(), out.labels.max()))
+        return acts, out, top
+
+    acts, out, top = ranks.together(read, sharded=shard is not None)
     k = out.num_classes
-    if k is not None and classes is not None and len(classes) != k:
-        raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has {k} outputs. "
-                          "Fix: name every output, in order.")
-    out.check_labels(spec.fixtures["data"], classes)
-    if k is None:  # a label-returning model: the names, else the largest class index seen
-        seen = [int(out.predictions.max())]
-        if out.labels is not None:
-            seen.append(int(out.labels.max()))
-        k = len(classes) if classes is not None else max(seen) + 1
-    active = layer_activity(acts, opts["activation_threshold"], reduce=opts["reduce"])
-    engine = InspectionEngine(int(active.shape[1]), int(k), threshold=opts["activation_threshold"],
-                              device=out.predictions.device)
-    labels = out.labels.to(out.predictions.device) if out.labels is not None else None
-    engine.update(active.to(out.predictions.device), out.predictions, labels)
+    if k is None:  # the names, else the largest class index any rank saw
+        k = len(classes) if classes is not None else max(ranks.gather(top) if shard is not None else [top]) + 1
+
+    def fill() -> InspectionEngine:  # per-class unit and prediction counts: sums
+        active = layer_activity(acts, opts["activation_threshold"], reduce=opts["reduce"])
+        engine = InspectionEngine(int(active.shape[1]), int(k), threshold=opts["activation_threshold"],
+                                  device=out.predictions.device)
+        labels = out.labels.to(out.predictions.device) if out.labels is not None else None
+        engine.update(active.to(out.predictions.device), out.predictions, labels)
+        return engine
+
+    engine = ranks.merged(fill, shard)
     res = engine.compute(rule=opts["rule"], top_share=opts["top_share"], bias=bias,
                          label_filter=opts.get("label_filter", True), classes=classes)
     if res.unpredicted and opts["unpredicted"] == "error":
@@ -182,6 +199,8 @@ MAX_CLASS_CONFUSION = GateDef(
             _RULE, _TOP_SHARE, _CLASSES, _UNPREDICTED, _TOP),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_class_confusion,
+    layers=lambda options: (options["layer"],),  # the shared forward pass captures it
+    shards=True,  # per-class counts: each rank its share of the batches, then sum
     doc="fail if two classes are too alike in `layer`: the largest 1 − NAPVD over class pairs (or, with "
         "statistic='share', the share of pairs flagged confused) exceeds `threshold` (DeepInspect, Tian et al. "
         "2020)",
@@ -198,6 +217,8 @@ MAX_CLASS_BIAS = GateDef(
                   "pair, as the authors do) or False (distance filter only)")),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_class_bias,
+    layers=lambda options: (options["layer"],),  # the shared forward pass captures it
+    shards=True,  # per-class counts: each rank its share of the batches, then sum
     doc="fail if the largest avg_bias over class pairs in `layer` — how differently the model places two "
         "classes relative to third classes — exceeds `threshold` (in [0, 0.5]; DeepInspect, Tian et al. 2020; "
         "README: Class confusion and bias)",

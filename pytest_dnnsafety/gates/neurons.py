@@ -1,7 +1,7 @@
 """Built-in gate family: neuron coverage (``min_neuron_k_activation``, ``max_neuron_pattern_deviation``).
 
-Engines in :mod:`..engines.neurons`; layer activations come from the session's
-:class:`~pytest_dnnsafety.activations.ActivationCache` (one forward pass per model and data).
+Engines in :mod:`..engines.neurons` and :mod:`..engines.patterns`; layer activations come from the
+session's shared forward pass (:func:`.shared.activations_for`: one pass per model and data).
 
 Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
 batches and the engine states are all-reduced (coverage flags: ``or``; the pattern histogram:
@@ -18,22 +18,9 @@ from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
 from .coverage import K
+from .shared import activations_for
 
 __all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dnnsafety_register_gates"]
-
-
-def _layer_activations(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, shard: Any = None) -> Any:
-    """The gate's layer activations from the session's cache (one forward pass shared by all gates).
-
-    With ``shard`` (a torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard`) only that rank's rows.
-    """
-    from ..activations import ActivationCache
-
-    cache = ctx.cache.setdefault("activations", ActivationCache())
-    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
-    layer = spec.options["layer"]
-    return cache.get(fx["model"], fx["data"], [layer], batch_size=ctx.batch_size, device=ctx.device,
-                     plan=plan, shard=shard)[layer]
 
 
 def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
@@ -42,10 +29,10 @@ def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: Gat
     from ..engines.neurons import NeuronKActivationEngine
 
     opts = spec.options
-    shard = ranks.batch_shard(fx["data"], ctx.batch_size)
+    shard = ctx.shard(fx["data"])
 
     def local() -> NeuronKActivationEngine:
-        acts = _layer_activations(spec, fx, ctx, shard).reduced(opts["reduce"])
+        acts = activations_for(spec, fx, ctx, [opts["layer"]], shard=shard)[opts["layer"]].reduced(opts["reduce"])
         engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"],
                                          activation_threshold=opts["activation_threshold"], device=acts.device)
         engine.update(acts)
@@ -64,11 +51,11 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
     from ..scenarios import ScenarioTable
 
     opts = spec.options
-    shard = ranks.batch_shard(fx["data"], ctx.batch_size)
+    shard = ctx.shard(fx["data"])
     scope = "all inputs" if opts["where"] is None else ", ".join(f"{k}={v}" for k, v in opts["where"].items())
 
     def local() -> NeuronPatternEngine:
-        acts = _layer_activations(spec, fx, ctx, shard).reduced(opts["reduce"])
+        acts = activations_for(spec, fx, ctx, [opts["layer"]], shard=shard)[opts["layer"]].reduced(opts["reduce"])
         if opts["where"] is not None:
             table = fx["scenarios"]
             if not isinstance(table, ScenarioTable):
@@ -114,6 +101,8 @@ MIN_NEURON_K_ACTIVATION = GateDef(
     params=(_LAYER, K, _ACT_THRESHOLD, _REDUCE),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_neuron_k_activation,
+    layers=lambda options: (options["layer"],),  # the shared forward pass captures it
+    shards=True,
     doc="fail unless the data shows at least `threshold` of all on/off patterns of every k-tuple of "
         "neurons in `layer` (Cheng et al. 2018, eq. 2)",
 )
@@ -130,6 +119,8 @@ MAX_NEURON_PATTERN_DEVIATION = GateDef(
     fixtures={"model": "model", "data": "dataset", "scenarios": "scenario_table"},
     conditional={"scenarios": "where"},
     measure=_measure_pattern_deviation,
+    layers=lambda options: (options["layer"],),  # the shared forward pass captures it
+    shards=True,
     doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
         "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",
 )

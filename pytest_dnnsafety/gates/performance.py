@@ -4,7 +4,7 @@ Cheng et al. 2018, §II-E. The evaluation rows are grouped by the values of the 
 the scenario table (every value combination of their declared domains is a group, also one without
 rows); the engine is :class:`~pytest_dnnsafety.engines.performance.ScenarioPerformanceEngine`. The
 predictions come from the session's shared forward pass
-(:meth:`~pytest_dnnsafety.activations.ActivationCache.outputs`): one pass per model and data for all
+(:func:`.shared.outputs_for`): one pass per model and data for all
 gates, neuron gates included.
 
 Groups with fewer than ``min_samples`` rows are *not assessable* and groups of the declared domain
@@ -31,6 +31,7 @@ from ..errors import MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from .shared import outputs_for
 
 __all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafety_register_gates"]
 
@@ -38,7 +39,6 @@ __all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafet
 def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     """The gate's :class:`ScenarioPerformanceResult` (predictions from the session's shared pass)."""
     from .. import ranks
-    from ..activations import ActivationCache
     from ..engines.performance import ScenarioPerformanceEngine, resolve_by
     from ..scenarios import ScenarioTable, check_rows_match, count_samples
 
@@ -50,13 +50,10 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
     resolve_by(table, opts["by"])  # an unknown condition is this gate's error, before any forward pass
     check_rows_match(table, count_samples(fx["data"]), table_fixture=spec.fixtures["scenarios"],
                      data_fixture=spec.fixtures["data"])
-    cache = ctx.cache.setdefault("activations", ActivationCache())
-    plan = ctx.cache.get("layer_plan", {}).get((spec.fixtures["model"], spec.fixtures["data"]), ())
-    shard = ranks.batch_shard(fx["data"], ctx.batch_size)  # None: the whole data on every rank
+    shard = ctx.shard(fx["data"])  # None: the whole data on every rank
 
     def predict() -> tuple[Any, tuple[int, int, int] | None]:
-        out = cache.outputs(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device, plan=plan,
-                            shard=shard)
+        out = outputs_for(spec, fx, ctx, shard=shard)
         if out.labels is None:
             raise MetricError(f"the data (fixture {spec.fixtures['data']!r}) has no labels; accuracy per scenario "
                               "needs them. Fix: give labelled evaluation data, e.g. an .npz with arrays x and y")
@@ -228,6 +225,7 @@ MIN_SCENARIO_ACCURACY = GateDef(
     params=_COMMON,
     fixtures=_FIXTURES,
     measure=_measure_min_accuracy,
+    shards=True,
     doc="fail unless every scenario group of the `by` conditions has an accuracy whose one-sided Clopper–Pearson "
         "lower bound at `confidence` reaches `threshold` (Cheng et al. 2018, §II-E); groups below `min_samples` "
         "rows or without rows fail the gate unless allowed",
@@ -244,6 +242,7 @@ MAX_SCENARIO_DEGRADATION = GateDef(
                   "on that drop)")),
     fixtures=_FIXTURES,
     measure=_measure_degradation,
+    shards=True,
     doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
         "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "
         "without rows fail the gate unless allowed; a single group holding every row is inconclusive",
