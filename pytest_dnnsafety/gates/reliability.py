@@ -233,6 +233,7 @@ MAX_PMI_UB = GateDef(
     ),
     fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
     measure=_measure_pmi_ub,
+    shards=True,  # each rank samples its share of the Monte Carlo blocks
     doc="fail unless the upper confidence bound on the probability of misclassification per input "
         "under the operational profile is at most `threshold` (Zhao et al. 2021, eqs. 5-7)",
 )
