@@ -239,7 +239,9 @@ class Runner:
 
         Without a shard it is the loop and the checks. With one, every rank runs its share and the
         checks inside :func:`pytest_dnnsafety.ranks.together` (a rank that fails tells the others,
-        so none waits in a collective), then every engine is all-reduced.
+        so none waits in a collective), then every engine is all-reduced. An engine the step builds
+        on its first batch (it needs the class count or the input shape) is given as a function
+        returning it, called after the loop.
         """
         if self.shard is None:
             self.run_local(data, step)
@@ -248,7 +250,7 @@ class Runner:
 
         ranks.together(lambda: self.run_local(data, step))
         for engine in engines:
-            engine.sync()
+            (engine() if callable(engine) else engine).sync()
 
     def run_local(self, data: Any, step: Callable[[Batch], None]) -> None:
         """``step`` on this rank's batches, then :meth:`check`: no agreement between the ranks, no ``sync``.

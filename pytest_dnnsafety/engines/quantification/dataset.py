@@ -398,10 +398,8 @@ def quantify_safety(
         engines[0].update(start, values, gated=gated, x=xin, x_hat=res.x_hat, s_hat=res.s_hat,
                           dist=lp_norm((res.x_hat - xin).flatten(1).to(torch.float64), res.settings["norm"]))
 
-    runner.run(data, step)
+    runner.run(data, step, lambda: engines[0])  # built on the first batch (every shard holds one)
     engine = engines[0]
-    if shard is not None:
-        engine.sync()  # every rank had batches (a shard holds at least one)
     out = engine.compute()
     applicable = out["applicable"]
     if not bool(applicable.any()):

@@ -6,6 +6,7 @@ families share; this module keeps the names importable from here.
 
 from __future__ import annotations
 
+from ..perturb.adversarial import __all__ as _library_names
 from ..perturb.adversarial import (
     LOSSES,
     NORMS,
@@ -26,14 +27,4 @@ from ..perturb.adversarial import (
 from ..perturb.common import draw as _draw
 from ..perturb.common import is_real as _is_real
 
-__all__ = [
-    "LOSSES",
-    "NORMS",
-    "OUTPUTS",
-    "detect_outputs",
-    "fgsm",
-    "check_clip",
-    "input_gradient",
-    "log_probs",
-    "pgd",
-]
+__all__ = list(_library_names)

@@ -379,10 +379,8 @@ def assess_adversarial_confidence(
                                rows=batch.rows, labels=y, inputs=x)
 
     with eval_mode(model):
-        runner.run(data, step)
+        runner.run(data, step, lambda: state["engine"])  # built on the first batch
     engine: AdversarialConfidenceEngine = state["engine"]  # built: an empty pass raised in run
-    if shard is not None:  # built on the first batch, so run() cannot sync it; every rank has a batch
-        engine.sync()
     # one host sync for the checks of the data's range (all ranks' data under a shard)
     x_lo, x_hi, lab_lo, lab_hi = torch.stack([engine.input_min, engine.input_max, engine.label_min.double(),
                                               engine.label_max.double()]).tolist()

@@ -354,10 +354,8 @@ def verify_robustness(
         engine.add_counterexamples(batch.rows, falsified, y, found_pred, wrong,
                                    (found - x).flatten(1).abs().amax(dim=1), found)
 
-    runner.run(data, step)
+    runner.run(data, step, lambda: state["engine"])  # built on the first batch
     engine: VerificationEngine = state["engine"]  # built: an empty pass raised in run
-    if shard is not None:  # built on the first batch, so run() cannot sync it; every rank has a batch
-        engine.sync()
     outside, label_lo, label_hi = torch.stack([engine.outside_clip, engine.label_min, engine.label_max]).tolist()
     if outside:
         raise outside_clip_error(int(outside), clip)
