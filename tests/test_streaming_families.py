@@ -9,7 +9,7 @@ test per gate of every built-in family (:data:`_streaming.FAMILIES`):
   without a streaming case fails here);
 * slow: each family runs in a subprocess with ``N`` and ``10 N`` inputs; the process's peak RSS
   (``ru_maxrss``, reported by the child itself) with ``10 N`` must stay below 1.2 times the peak
-  with ``N`` (glibc's mmap threshold fixed: see :data:`ALLOCATOR_ENV`). Families whose data must
+  with ``N`` (the user's allocator settings: see :data:`MALLOC_VARIABLES`). Families whose data must
   be held whole by design (``max_pmi_ub``'s labelled operational data: a ball around each input)
   are not in the RSS test; the expensive families (certified robustness, quantification) run on
   fewer inputs, so their test checks per-input state, not the images.
@@ -33,13 +33,12 @@ from pytest_dnnsafety.gates import builtin_registry
 TESTS = Path(__file__).resolve().parent
 VERDICTS = {"passed", "failed"}
 #: (N, N_SMALL) of the RSS test: N for the evaluation data, N_SMALL for the expensive families.
-RSS_SIZES = (2000, 20)
-#: glibc's malloc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which the batches'
-#: freed input tensors stay in the heap, fragmented by the small per-batch results kept between them: the peak
-#: RSS then grows with the number of batches by chance (the same run measured x1.01, x1.41 and x1.78 with 10x the
-#: data) although nothing keeps the inputs. A fixed threshold (glibc's default, 128 KiB) measures what the
-#: plugin keeps; unset on other C libraries, where the variable means nothing.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+RSS_SIZES = (1000, 20)
+#: Every variable that changes glibc's malloc is removed from the child's environment: the test measures what a
+#: user gets. The plugin fixes glibc's mmap threshold itself (pytest_dnnsafety.allocator): without that, the
+#: batches' freed tensors stay in a fragmented heap and the peak RSS grew with the data by chance (x1.01, x1.41
+#: and x1.78 with 10x the data in three runs of the same project) although nothing keeps the inputs.
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "DNNSAFETY_KEEP_MALLOC")
 #: Families left out of the RSS test, and why.
 WHOLE_BY_DESIGN = {"pmi": "max_pmi_ub puts a ball around each labelled operational input: held whole by design"}
 
@@ -76,8 +75,8 @@ def test_every_family_reaches_a_verdict_on_a_streaming_loader(pytester: pytest.P
 
 def _peak_rss(project: Path, family: str, n: int, n_small: int, out: Path) -> dict:
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ranks.TORCHRUN_ENV and not k.startswith("PYTEST_")}
-    env.update(ALLOCATOR_ENV)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ranks.TORCHRUN_ENV and k not in MALLOC_VARIABLES and not k.startswith("PYTEST_")}
     env.update(STREAM_N=str(n), STREAM_N_SMALL=str(n_small), STREAM_RECORD_DIR=str(out),
                PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
