@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.errors import ConfigError, DataError
 
 __all__ = ["FriedmanResult", "friedman", "nemenyi_cd", "cd_cliques"]
@@ -124,9 +125,8 @@ def nemenyi_cd(k: int, n_blocks: int, alpha: float = 0.05) -> float:
     together, family-wise). ConfigError for k < 2, n_blocks < 1 or α outside (0, 1).
     """
     for name, value, least in (("k", k, 2), ("n_blocks", n_blocks, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-            raise ConfigError(f"{name} must be an int ≥ {least}, got {value!r}. Fix: pass the number of "
-                              + ("methods ranked" if name == "k" else "blocks (benchmark data sets)"))
+        check_count(value, name, least, "pass the number of "
+                    + ("methods ranked" if name == "k" else "blocks (benchmark data sets)"))
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating)) or not 0.0 < float(alpha) < 1.0:
         raise ConfigError(f"alpha must lie strictly between 0 and 1, got {alpha!r}. Fix: e.g. alpha=0.05")
     return _q_alpha(int(k), float(alpha)) * math.sqrt(k * (k + 1) / (6.0 * n_blocks))

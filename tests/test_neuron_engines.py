@@ -485,7 +485,7 @@ def test_activations_not_a_tensor(engine_cls) -> None:
 
 @pytest.mark.parametrize("k", [0, 4, -1, 2.0, True])
 def test_k_outside_one_to_three(k) -> None:
-    with pytest.raises(ConfigError, match="k must be"):
+    with pytest.raises(ConfigError, match="k=.* must be an integer between 1 and 3"):
         NeuronKActivationEngine(10, k=k)
 
 
@@ -497,13 +497,13 @@ def test_k_larger_than_neurons() -> None:
 @ENGINES
 @pytest.mark.parametrize("c", [0, -3, 2.5])
 def test_n_neurons_below_one(engine_cls, c) -> None:
-    with pytest.raises(ConfigError, match="n_neurons must be"):
+    with pytest.raises(ConfigError, match="n_neurons=.* must be"):
         engine_cls(c)
 
 
 @pytest.mark.parametrize("groups", [0, 11, -2])
 def test_groups_outside_one_to_neurons(groups: int) -> None:
-    with pytest.raises(ConfigError, match=r"groups must be between 1 and 10"):
+    with pytest.raises(ConfigError, match=r"groups=-?\d+ must be an integer between 1 and 10"):
         NeuronPatternEngine(10, groups=groups)
 
 

@@ -566,7 +566,7 @@ BAD = [
     (dict(expression="top_vs_label", label=12), ConfigError, "label=12 is not a class of the model.*10 class.*Fix: "),
     (dict(expression="uncertainty", label=1), ConfigError, "label=1 is used only by.*Fix: "),
     (dict(expression="reachability", label=-1), ConfigError, "label=-1 is not a class index.*Fix: "),
-    (dict(d=0), ConfigError, "d=0 is not a positive finite number.*Fix: "),
+    (dict(d=0), ConfigError, "d=0 must be a finite number > 0.*Fix: "),
     (dict(d=-0.1), ConfigError, "d=-0.1 .*Fix: "),
     (dict(norm="l3"), ConfigError, "norm='l3' is not one of.*Fix: "),
     (dict(method="cma"), ConfigError, "method='cma' is not one of.*Fix: "),

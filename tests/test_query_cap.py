@@ -63,7 +63,7 @@ def test_a_uniform_plan_above_the_cap_is_refused_before_any_query() -> None:
     assert model.queries == 0
     result = _quiet(assess_reliability, model, op, labelled, samples_per_cell=1000, max_queries=100_000, **GRID)
     assert result.model_queries == 100_000
-    with pytest.raises(ConfigError, match="max_queries must be an int ≥ 1, got 0"):
+    with pytest.raises(ConfigError, match="max_queries=0 must be an integer >= 1"):
         _quiet(assess_reliability, model, op, labelled, max_queries=0, **GRID)
 
 

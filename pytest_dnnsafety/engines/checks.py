@@ -34,17 +34,19 @@ def check_positive(value: Any, name: str, *, allow_zero: bool = False, fix: str 
     return float(value)
 
 
-def check_count(value: Any, name: str, minimum: int = 1, fix: str = "") -> int:
-    """An int ``>= minimum`` (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        fix = fix or f"pass {name} >= {minimum}."
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}. Fix: {fix}")
+def check_count(value: Any, name: str, minimum: int = 1, fix: str = "", *, maximum: int | None = None) -> int:
+    """An int ``>= minimum`` (and ``<= maximum`` when given; not a bool)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum
+            or (maximum is not None and int(value) > maximum)):
+        bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        fix = fix or f"pass {name} {bounds}."
+        raise ConfigError(f"{name}={value!r} must be an integer {bounds}. Fix: {fix}")
     return int(value)
 
 
-def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+def check_choice(value: Any, name: str, choices: tuple[str, ...], fix: str = "") -> str:
     """One of ``choices`` (a str)."""
     if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}. Fix: use one of "
-                          f"{', '.join(repr(c) for c in choices)}.")
+        fix = fix or f"use one of {', '.join(repr(c) for c in choices)}."
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}. Fix: {fix}")
     return value

@@ -104,6 +104,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.inspection_kernels import (
     _TRIPLET_CHUNK, DEFAULT_THRESHOLD, DISTANCE_FLOOR, InspectionError, _bias_no_signal, _pop_std, aucec,
     check_threshold, class_bias, layer_activity, napvd_matrix, pack_active, scaled_activity, unpack_active,
@@ -447,9 +448,7 @@ class InspectionEngine(Engine):
                  device: torch.device | str | None = None) -> None:
         super().__init__(device)
         for name, value, low in (("n_neurons", n_neurons, 1), ("num_classes", num_classes, 2)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name}={value!r} must be an integer ≥ {low}. Fix: give the layer's number of "
-                                  "units and the model's number of classes.")
+            check_count(value, name, low, "give the layer's number of units and the model's number of classes.")
         self.n_neurons, self.num_classes = n_neurons, num_classes
         self.threshold = None if threshold is None else check_threshold(threshold)
         self.add_state("active_counts", torch.zeros((n_neurons, num_classes), dtype=torch.int64), "sum")

@@ -17,15 +17,6 @@ from pytest_dnnsafety.errors import ConfigError, DataError
 __all__: list[str] = []
 
 
-def _check_count(value: Any, name: str, low: int, high: int | None, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
-    if value < low or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise ConfigError(f"{name} must be {bounds}, got {value}; {fix}")
-    return value
-
-
 def _check_threshold(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(

@@ -63,7 +63,8 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
-from pytest_dnnsafety.engines.neuron_checks import _check_activations, _check_count, _check_threshold, _fmt_int
+from pytest_dnnsafety.engines.neuron_checks import _check_activations, _check_threshold, _fmt_int
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.patterns import NeuronPatternEngine, PatternResult  # eq. (3), importable from here
 from pytest_dnnsafety.errors import ConfigError
 
@@ -264,8 +265,8 @@ class NeuronKActivationEngine(Engine):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(device)
-        c = _check_count(n_neurons, "n_neurons", 1, None, "pass the layer's number of neurons (channels)")
-        k = _check_count(k, "k", 1, 3, "use k=1 (single neurons), 2 (pairs, the paper's choice) or 3 (triples)")
+        c = check_count(n_neurons, "n_neurons", 1, maximum=None, fix="pass the layer's number of neurons (channels)")
+        k = check_count(k, "k", 1, maximum=3, fix="use k=1 (single neurons), 2 (pairs, the paper's choice) or 3 (triples)")
         if k > c:
             raise ConfigError(
                 f"k={k} needs at least {k} neurons but n_neurons={c}; use k ≤ {c} or a wider layer"

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
-from pytest_dnnsafety.engines.neuron_checks import _check_activations, _check_count, _check_threshold, _fmt_int
+from pytest_dnnsafety.engines.neuron_checks import _check_activations, _check_threshold, _fmt_int
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.errors import MetricError
 
 __all__ = ["NeuronPatternEngine", "PatternResult"]
@@ -106,8 +107,8 @@ class NeuronPatternEngine(Engine):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(device)
-        c = _check_count(n_neurons, "n_neurons", 1, None, "pass the layer's number of neurons (channels)")
-        gamma = _check_count(groups, "groups", 1, c, f"use between 1 and n_neurons={c} groups (the paper's γ)")
+        c = check_count(n_neurons, "n_neurons", 1, maximum=None, fix="pass the layer's number of neurons (channels)")
+        gamma = check_count(groups, "groups", 1, maximum=c, fix=f"use between 1 and n_neurons={c} groups (the paper's γ)")
         self.n_neurons = c
         self.groups = gamma
         self.activation_threshold = _check_threshold(activation_threshold)

@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from ..robustness.attacks import check_clip, detect_outputs, log_probs
+from ..checks import check_choice, check_count, check_positive
 from .common import (
-    BOUND_METHODS, _applicable, _check_choice, _check_expression, _check_inputs, _check_int, _check_label_range,
-    _check_outputs, _check_positive, _classes, _evaluate, _forward, _to_model,
+    BOUND_METHODS, _applicable, _check_expression, _check_inputs, _check_label_range,
+    _check_outputs, _classes, _evaluate, _forward, _to_model,
 )
 
 __all__ = ["certified_radius"]
@@ -61,9 +62,9 @@ def certified_radius(
     from ..robustness.bounds import BoundedModel, UnsupportedLayerError
 
     kind, label, eps = _check_expression(expression, label, eps)
-    d = _check_positive("d", d, "give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")
-    method = _check_choice("method", method, BOUND_METHODS, "use 'crown' (tighter) or 'ibp' (faster).")
-    steps = _check_int("steps", steps, 0)
+    d = check_positive(d, "d", fix="give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")
+    method = check_choice(method, "method", BOUND_METHODS, "use 'crown' (tighter) or 'ibp' (faster).")
+    steps = check_count(steps, "steps", 0)
     clip = check_clip(clip)
     outputs = _check_outputs(outputs)
     if bounded is None:

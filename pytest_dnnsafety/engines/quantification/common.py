@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ...errors import ConfigError, DataError, MetricError
+from ..checks import check_choice
 from ...outputs import ForwardGuard, model_dtype_device
 from ..robustness.attacks import OUTPUTS, detect_outputs, log_probs
 
@@ -61,26 +62,8 @@ def _check_expression(expression: Any, label: Any, eps: Any) -> tuple[str, int |
     return str(expression), None if label is None else int(label), float(eps)
 
 
-def _check_positive(name: str, value: Any, fix: str) -> float:
-    if not _real(value) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={value!r} is not a positive finite number. Fix: {fix}")
-    return float(value)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...], fix: str) -> str:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}. Fix: {fix}")
-    return str(value)
-
-
-def _check_int(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ConfigError(f"{name}={value!r} is not an integer ≥ {least}. Fix: give an integer ≥ {least}.")
-    return int(value)
-
-
 def _check_outputs(outputs: Any) -> str:
-    return _check_choice("outputs", outputs, ("auto", *OUTPUTS),
+    return check_choice(outputs, "outputs", ("auto", *OUTPUTS),
                          "say what the model returns: 'auto' (detected), 'logits' or 'probabilities'.")
 
 

@@ -23,7 +23,8 @@ from torch import Tensor
 from ...errors import ConfigError, MetricError
 from ..runner import Batch, Runner
 from .certified import certified_radius
-from .common import BOUND_METHODS, _check_choice, _check_expression, _check_int, _real, lp_norm
+from ..checks import check_choice, check_count
+from .common import BOUND_METHODS, _check_expression, _real, lp_norm
 from .engine import WORST_COLUMNS, SafeRadiusEngine
 from .gradients import pgd_nearest_unsafe
 from .search import lipschitz_search
@@ -328,12 +329,12 @@ def quantify_safety(
 
     if not _real(quantile) or not 0 <= quantile <= 1:
         raise ConfigError(f"quantile={quantile!r} is not in [0, 1]. Fix: 0 gates the minimum, 0.05 the 5% quantile.")
-    worst = _check_int("worst", worst, 0)
-    batch_size = _check_int("batch_size", batch_size, 1)
-    statistic = _check_choice("statistic", statistic, STATISTICS,
+    worst = check_count(worst, "worst", 0)
+    batch_size = check_count(batch_size, "batch_size", 1)
+    statistic = check_choice(statistic, "statistic", STATISTICS,
                               "use 'certified' (the proved radius, the default) or 'estimate' (the heuristic).")
     if certified is not None:
-        certified = _check_choice("certified", certified, BOUND_METHODS, "use 'crown', 'ibp' or None.")
+        certified = check_choice(certified, "certified", BOUND_METHODS, "use 'crown', 'ibp' or None.")
     elif statistic == "certified":
         raise ConfigError("statistic='certified' needs a certified radius, but certified is off (certified=False/"
                           "None). Fix: keep certified=True (CROWN) or 'ibp', or gate the heuristic estimate "

@@ -12,9 +12,10 @@ from torch import Tensor
 from ...errors import ConfigError
 from ...outputs import ForwardGuard
 from ..robustness.attacks import check_clip, detect_outputs, log_probs
+from ..checks import check_choice, check_count, check_positive
 from .common import (
-    _INCREASE, _NEAR, BOUND_METHODS, NORMS, SEARCHES, _applicable, _check_choice, _check_expression, _check_inputs,
-    _check_int, _check_label_range, _check_outputs, _check_positive, _classes, _evaluate, _forward, _gaussian, _real,
+    _INCREASE, _NEAR, BOUND_METHODS, NORMS, SEARCHES, _applicable, _check_expression, _check_inputs,
+    _check_label_range, _check_outputs, _classes, _evaluate, _forward, _gaussian, _real,
     _to_model, _uniform, lp_norm, project_ball,
 )
 from .gradients import gradient_ascent
@@ -121,28 +122,28 @@ def lipschitz_search(
     ``clip`` or not finite.
     """
     kind, label, eps = _check_expression(expression, label, eps)
-    d = _check_positive("d", d, "give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")
-    norm = _check_choice("norm", norm, NORMS, "use 'linf', 'l2' or 'l1'.")
-    method = _check_choice("method", method, SEARCHES, "use 'gps' (coordinate polls) or 'mads' (random "
+    d = check_positive(d, "d", fix="give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")
+    norm = check_choice(norm, "norm", NORMS, "use 'linf', 'l2' or 'l1'.")
+    method = check_choice(method, "method", SEARCHES, "use 'gps' (coordinate polls) or 'mads' (random "
                                                        "orthogonal polls).")
-    iterations = _check_int("iterations", iterations, 1)
-    starts = _check_int("starts", starts, 1)
+    iterations = check_count(iterations, "iterations", 1)
+    starts = check_count(starts, "starts", 1)
     clip = check_clip(clip)
-    seed = _check_int("seed", seed, 0)
-    index_offset = _check_int("index_offset", index_offset, 0)
+    seed = check_count(seed, "seed", 0)
+    index_offset = check_count(index_offset, "index_offset", 0)
     if not _real(expansion) or not math.isfinite(expansion) or expansion < 1:
         raise ConfigError(f"expansion={expansion!r} is not a finite number ≥ 1. Fix: e.g. expansion=1.3.")
     if not _real(contraction) or not 0 < contraction < 1:
         raise ConfigError(f"contraction={contraction!r} is not in (0, 1). Fix: e.g. contraction=0.8.")
-    mesh_tol = _check_positive("mesh_tol", mesh_tol, "e.g. mesh_tol=1e-5.")
-    mesh_init = _check_positive("mesh_init", mesh_init, "give the first mesh size as a fraction of d, e.g. 1.0.")
+    mesh_tol = check_positive(mesh_tol, "mesh_tol", fix="e.g. mesh_tol=1e-5.")
+    mesh_init = check_positive(mesh_init, "mesh_init", fix="give the first mesh size as a fraction of d, e.g. 1.0.")
     outputs = _check_outputs(outputs)
-    max_batch = _check_int("max_batch", max_batch, 1)
-    max_elements = _check_int("max_elements", max_elements, 1)
+    max_batch = check_count(max_batch, "max_batch", 1)
+    max_elements = check_count(max_elements, "max_elements", 1)
     if certified is not None:
-        certified = _check_choice("certified", certified, BOUND_METHODS, "use 'crown', 'ibp' or None.")
-    ascent_steps = _check_int("ascent_steps", ascent_steps, 0)
-    ascent_starts = _check_int("ascent_starts", ascent_starts, 0)
+        certified = check_choice(certified, "certified", BOUND_METHODS, "use 'crown', 'ibp' or None.")
+    ascent_steps = check_count(ascent_steps, "ascent_steps", 0)
+    ascent_starts = check_count(ascent_starts, "ascent_starts", 0)
     settings = _settings(kind, label, eps, d, norm, method, iterations, starts, clip, seed, float(expansion),
                          float(contraction), mesh_tol, mesh_init, ascent_steps, ascent_starts)
 

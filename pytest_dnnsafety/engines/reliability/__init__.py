@@ -122,7 +122,6 @@ from pytest_dnnsafety.engines.reliability.cells import (
     Grid,
     ReliabilityWarning,
     _ball_distances,
-    _check_int,
     _check_norm,
     _float_tuple,
     closest_opposite_pair,

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety import stats
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.reliability.aggregation import BoundAggregator
 from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES
 from pytest_dnnsafety.engines.reliability.cells import (
@@ -31,7 +32,6 @@ from pytest_dnnsafety.engines.reliability.cells import (
     NORMS,
     Grid,
     ReliabilityWarning,
-    _check_int,
     _check_norm,
     _float_tuple,
     r_separation,
@@ -130,10 +130,10 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
         self.method = self._check_method(method, "method")
         self.compare_methods = tuple(dict.fromkeys(self._check_method(m, "compare_methods") for m in compare_methods
                                                    if m != self.method))
-        self.samples_per_cell = _check_int(samples_per_cell, "samples_per_cell", 1)
+        self.samples_per_cell = check_count(samples_per_cell, "samples_per_cell", 1)
         self._check_allocation(allocation, query_budget, target_width, pilot_samples, pilot_fraction)
-        self.max_queries = None if max_queries is None else _check_int(max_queries, "max_queries", 1)
-        self.bootstrap = _check_int(bootstrap, "bootstrap", 0)
+        self.max_queries = None if max_queries is None else check_count(max_queries, "max_queries", 1)
+        self.bootstrap = check_count(bootstrap, "bootstrap", 0)
         if self.bootstrap == 1:
             raise ConfigError("bootstrap must be 0 (OP masses taken as known) or at least 2 refits, got 1")
         self.mass = canonical_mass(mass)  # "center" is a spelling of "centre"; reported as "centre"
@@ -146,21 +146,21 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
         if isinstance(mass_target, bool) or not isinstance(mass_target, (int, float)) or not 0 < mass_target <= 1:
             raise ConfigError(f"mass_target must be a number in (0, 1], got {mass_target!r}")
         self.mass_target = float(mass_target)
-        self.max_cells = None if max_cells is None else _check_int(max_cells, "max_cells", 1)
+        self.max_cells = None if max_cells is None else check_count(max_cells, "max_cells", 1)
         self.conservative_rest = bool(conservative_rest)
-        self.num_classes = None if num_classes is None else _check_int(num_classes, "num_classes", 2)
+        self.num_classes = None if num_classes is None else check_count(num_classes, "num_classes", 2)
         self.failure_pairs = None if failures is None else self._check_failures(failures)
         if isinstance(alpha_op_share, bool) or not isinstance(alpha_op_share, (int, float)) \
                 or not 0 < alpha_op_share < 1:
             raise ConfigError(f"alpha_op_share must lie strictly between 0 and 1, got {alpha_op_share!r}")
         self.alpha_op_share = float(alpha_op_share)
-        self.posterior_draws = _check_int(posterior_draws, "posterior_draws", 1)
-        self.seed = _check_int(seed, "seed", 0)
+        self.posterior_draws = check_count(posterior_draws, "posterior_draws", 1)
+        self.seed = check_count(seed, "seed", 0)
         if isinstance(batch_size, str):
             if batch_size != "auto":
                 raise ConfigError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
         else:
-            batch_size = _check_int(batch_size, "batch_size", 1)
+            batch_size = check_count(batch_size, "batch_size", 1)
         self.batch_size = batch_size
         self.input_dtype = input_dtype
         if cells not in ("grid", "balls"):
@@ -281,13 +281,13 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
                 if value != default:
                     raise ConfigError(f"{name} applies to allocation='adaptive' only. Fix: allocation='adaptive', or "
                                       f"drop {name}")
-        self.query_budget = None if query_budget is None else _check_int(query_budget, "query_budget", 2)
+        self.query_budget = None if query_budget is None else check_count(query_budget, "query_budget", 2)
         if target_width is not None and (isinstance(target_width, bool) or not isinstance(target_width, (int, float))
                                          or not 0 < target_width < 1 or not math.isfinite(target_width)):
             raise ConfigError(f"target_width is the bound width Ub − E to reach, a number in (0, 1), e.g. 1e-3; got "
                               f"{target_width!r}")
         self.target_width = None if target_width is None else float(target_width)
-        self.pilot_samples = None if pilot_samples is None else _check_int(pilot_samples, "pilot_samples", 1)
+        self.pilot_samples = None if pilot_samples is None else check_count(pilot_samples, "pilot_samples", 1)
         if isinstance(pilot_fraction, bool) or not isinstance(pilot_fraction, (int, float)) \
                 or not 0 < pilot_fraction < 1:
             raise ConfigError(f"pilot_fraction is the share of query_budget (or of samples_per_cell) spent on the "

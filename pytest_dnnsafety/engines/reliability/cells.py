@@ -50,14 +50,6 @@ def _float_tuple(value: Any, dim: int | None, what: str) -> tuple[float, ...]:
     return tuple(float(v) for v in arr)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
-        raise ConfigError(f"{name} must be an int ≥ {minimum}, got {value!r}")
-    return int(value)
-
-
-
-
 @dataclass(frozen=True)
 class Grid:
     """Axis-aligned grid of cells of side ``eps`` over the box ``[lower, upper]``.

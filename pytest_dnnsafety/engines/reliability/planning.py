@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.reliability.allocation import check_query_cap
 from pytest_dnnsafety.engines.reliability.cells import (
     _CHUNK_ELEMS,
@@ -26,7 +27,6 @@ from pytest_dnnsafety.engines.reliability.cells import (
     Grid,
     ReliabilityWarning,
     _ball_distances,
-    _check_int,
     _float_tuple,
     nearest_labels,
     r_separation,
@@ -114,7 +114,7 @@ class CellPlanner:
         self.profile = profile if isinstance(profile, OperationalProfile) else None
         n_all, d = int(centres_all.shape[0]), int(centres_all.shape[1])
         self.n_operational = n_all
-        if max_balls is not None and _check_int(max_balls, "max_balls", 1) < n_all:
+        if max_balls is not None and check_count(max_balls, "max_balls", 1) < n_all:
             gen = torch.Generator().manual_seed(_mix(self.seed, -2))
             flat = torch.randperm(n_all, generator=gen)[: int(max_balls)].sort().values
         else:

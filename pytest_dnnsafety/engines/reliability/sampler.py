@@ -17,7 +17,8 @@ from torch import Tensor
 
 from pytest_dnnsafety import progress
 from pytest_dnnsafety.engines.reliability.allocation import check_query_cap, plan_adaptive
-from pytest_dnnsafety.engines.reliability.cells import CROSS, _check_int
+from pytest_dnnsafety.engines.checks import check_count
+from pytest_dnnsafety.engines.reliability.cells import CROSS
 from pytest_dnnsafety.engines.reliability.model import _check_label_bounds, _check_label_range, _ModelAdapter
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError
@@ -165,8 +166,8 @@ class MonteCarloSampler:
         communication; :attr:`queries_pilot`), then its share of the final stage's blocks; the engine
         holds the final stage only.
         """
-        world_size = _check_int(world_size, "world_size", 1)
-        rank = _check_int(rank, "rank", 0)
+        world_size = check_count(world_size, "world_size", 1)
+        rank = check_count(rank, "rank", 0)
         if rank >= world_size:
             raise ConfigError(f"rank {rank} must be below world_size {world_size}")
         self.queries = 0
