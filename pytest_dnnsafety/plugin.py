@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from .allocator import fix_mmap_threshold
 from .config import SETTINGS, Settings
 from .errors import DnnSafetyError
 from .gates import BUILTIN_FAMILIES, GATES, GateDef, GateRegistry
@@ -130,8 +129,6 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.validate_all()
     except DnnSafetyError as exc:
         raise pytest.UsageError(f"pytest-dnnsafety: {exc}") from None
-    # A streamed pass must not grow the peak RSS with the data (see pytest_dnnsafety.allocator).
-    fix_mmap_threshold()
     # This process's role (one process, xdist controller or worker, torchrun rank), decided once.
     config.pluginmanager.register(make_session(config, settings, registry), _PLUGIN_NAME)
 

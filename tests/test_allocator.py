@@ -1,4 +1,4 @@
-"""glibc's mmap threshold is fixed for the run (pytest_dnnsafety.allocator), unless the user chose otherwise."""
+"""Freed batches go back to the system during a streamed pass (pytest_dnnsafety.allocator), unless opted out."""
 
 from __future__ import annotations
 
@@ -7,33 +7,31 @@ import platform
 import subprocess
 import sys
 
-import pytest
+import torch
 
 from pytest_dnnsafety import allocator
+from pytest_dnnsafety.engines.runner import Runner
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
-_PROBE = "import pytest_dnnsafety.allocator as a; print(a.fix_mmap_threshold(), a.fix_mmap_threshold())"
+_PROBE = "import pytest_dnnsafety.allocator as a; print(a.release(), a.release())"
 
 
 def _probe(**env: str) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", allocator.OPT_OUT_ENV)}
+    clean = {k: v for k, v in os.environ.items() if k != allocator.OPT_OUT_ENV}
     clean.update(env)
     return subprocess.run([sys.executable, "-c", _PROBE], env=clean, capture_output=True, text=True,
                           check=True).stdout.strip()
 
 
-@pytest.mark.skipif(not GLIBC, reason="the threshold is a glibc setting")
-def test_the_threshold_is_fixed_once_on_glibc() -> None:
-    assert _probe() == "True True"
-
-
-def test_the_user_s_choice_and_the_opt_out_leave_the_allocator_alone() -> None:
-    assert _probe(MALLOC_MMAP_THRESHOLD_="1048576") == "False False"
+def test_release_runs_on_glibc_and_the_opt_out_leaves_the_allocator_alone() -> None:
+    assert _probe() == ("True True" if GLIBC else "False False")
     assert _probe(**{allocator.OPT_OUT_ENV: "1"}) == "False False"
 
 
-def test_a_configured_run_fixes_it(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile("def test_x():\n    from pytest_dnnsafety import allocator\n"
-                        f"    assert allocator._done is {GLIBC}\n")
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+def test_the_runner_releases_every_few_batches(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(allocator, "release", lambda: calls.append(1) or True)
+    runner = Runner("t", batch_size=1)
+    runner.run(torch.zeros(3 * allocator.EVERY + 1, 2), lambda batch: None)
+    assert len(calls) == 3

@@ -35,9 +35,9 @@ VERDICTS = {"passed", "failed"}
 #: (N, N_SMALL) of the RSS test: N for the evaluation data, N_SMALL for the expensive families.
 RSS_SIZES = (1000, 20)
 #: Every variable that changes glibc's malloc is removed from the child's environment: the test measures what a
-#: user gets. The plugin fixes glibc's mmap threshold itself (pytest_dnnsafety.allocator): without that, the
-#: batches' freed tensors stay in a fragmented heap and the peak RSS grew with the data by chance (x1.01, x1.41
-#: and x1.78 with 10x the data in three runs of the same project) although nothing keeps the inputs.
+#: user gets. The engine runner gives freed batches back to the system (pytest_dnnsafety.allocator): without that,
+#: the batches' freed tensors stayed in the heap and the peak RSS grew with the data by chance (x1.01, x1.41 and
+#: x1.78 with 10x the data in three runs of the same project) although nothing kept the inputs.
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "DNNSAFETY_KEEP_MALLOC")
 #: Families left out of the RSS test, and why.
 WHOLE_BY_DESIGN = {"pmi": "max_pmi_ub puts a ball around each labelled operational input: held whole by design"}

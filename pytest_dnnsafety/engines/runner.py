@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .. import progress
+from .. import allocator, progress
 from ..data import check_loader_order, iter_batches, known_length
 from ..errors import DataError, MetricError
 
@@ -195,6 +195,8 @@ class Runner:
             start += n
             self.n_batches += 1
             self.n_inputs += n
+            if self.n_batches % allocator.EVERY == 0:  # freed batches back to the system (no device sync)
+                allocator.release()
             progress.tick(self.n_inputs, total, self.unit)
 
     def _labels(self, y: Any, n: int, index: int) -> Tensor | None:
