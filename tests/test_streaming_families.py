@@ -7,8 +7,8 @@ test per gate of every built-in family (:data:`_streaming.FAMILIES`):
 * fast: the project runs in-process; every gate reaches a verdict (passed or failed, never an
   error or an inconclusive), and the family table covers every built-in marker (a new family
   without a streaming case fails here);
-* slow: each family runs in a subprocess with ``N`` and ``10 N`` inputs; the process's peak RSS
-  (``ru_maxrss``, reported by the child itself) with ``10 N`` must stay below 1.2 times the peak
+* slow: one subprocess per data size (``N`` and ``10 N`` inputs) runs each family in a fresh pytest
+  session, its peak RSS reset before (``/proc/self/clear_refs``) and read after (``VmHWM``); the peak with ``10 N`` must stay below 1.2 times the peak
   with ``N`` (the user's allocator settings: see :data:`MALLOC_VARIABLES`). Families whose data must
   be held whole by design (``max_pmi_ub``'s labelled operational data: a ball around each input)
   are not in the RSS test; the expensive families (certified robustness, quantification) run on
@@ -73,35 +73,70 @@ def test_every_family_reaches_a_verdict_on_a_streaming_loader(pytester: pytest.P
     assert record["loaded"]["tiny"] >= record["n_small"]
 
 
-def _peak_rss(project: Path, family: str, n: int, n_small: int, out: Path) -> dict:
+_DRIVER = """
+import gc, json, re, sys
+import torch  # imported before the first measurement: every family's peak includes it alike
+import pytest
+from pytest_dnnsafety import allocator
+
+families, out = json.loads(sys.argv[1]), sys.argv[2]
+found = {}
+for family in families:
+    gc.collect()
+    allocator.release()
+    with open("/proc/self/clear_refs", "w") as reset:  # "5": the peak RSS (VmHWM) starts again from now
+        reset.write("5")
+    code = pytest.main(["-p", "no:cacheprovider", "-p", "no:randomly", "-q", "-k", f"test_{family}_",
+                        f"--dnnsafety-json={out}/{family}.json"])
+    status = open("/proc/self/status").read()
+    record = json.load(open(f"{out}/ranksingle.json"))  # each session imports the project's conftest afresh
+    found[family] = {"peak_kib": int(re.search(r"VmHWM:\\s+(\\d+)", status).group(1)),
+                     "loaded": record["loaded"], "code": int(code)}
+json.dump(found, open(f"{out}/rss.json", "w"))
+"""
+RSS_FAMILIES = [f for f in FAMILIES if f not in WHOLE_BY_DESIGN]
+
+
+def _peak_rss(project: Path, n: int, n_small: int, out: Path) -> dict:
+    """Per family, the peak RSS (KiB) of one process running it in a fresh pytest session (reset between)."""
     out.mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ranks.TORCHRUN_ENV and k not in MALLOC_VARIABLES and not k.startswith("PYTEST_")}
     env.update(STREAM_N=str(n), STREAM_N_SMALL=str(n_small), STREAM_RECORD_DIR=str(out),
                PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
-                           "-k", f"test_{family}_", f"--dnnsafety-json={out / 'evidence.json'}"],
-                          cwd=project, env=env, capture_output=True, text=True, timeout=900)
-    gates = json.loads((out / "evidence.json").read_text())["gates"]
-    bad = [f"{g['marker']}: {g['status']}: {g['summary']}" for g in gates if g["status"] not in VERDICTS]
-    assert gates and not bad, (bad, proc.stdout[-3000:] + proc.stderr[-3000:])
-    return json.loads((out / "ranksingle.json").read_text())
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(RSS_FAMILIES), str(out)], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for family in RSS_FAMILIES:
+        gates = json.loads((out / f"{family}.json").read_text())["gates"]
+        bad = [f"{g['marker']}: {g['status']}: {g['summary']}" for g in gates if g["status"] not in VERDICTS]
+        assert gates and not bad, (bad, proc.stdout[-3000:])
+    return json.loads((out / "rss.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """One process per data size runs every family, each in its own session with the peak reset before it."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("resetting the peak RSS between families needs Linux's /proc/self/clear_refs")
+    root = tmp_path_factory.mktemp("rss")
+    project = root / "project"
+    write_project(project, {family: FAMILIES[family] for family in RSS_FAMILIES})
+    n, n_small = RSS_SIZES
+    return _peak_rss(project, n, n_small, root / "n"), _peak_rss(project, 10 * n, 10 * n_small, root / "10n")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in WHOLE_BY_DESIGN])
-def test_peak_memory_does_not_grow_with_the_data(family: str, tmp_path: Path) -> None:
-    project = tmp_path / "project"
-    write_project(project, {family: FAMILIES[family]})
+@pytest.mark.parametrize("family", RSS_FAMILIES)
+def test_peak_memory_does_not_grow_with_the_data(family: str, peaks: tuple[dict, dict]) -> None:
+    small, large = peaks[0][family], peaks[1][family]
     n, n_small = RSS_SIZES
-    small = _peak_rss(project, family, n, n_small, tmp_path / "n")
-    large = _peak_rss(project, family, 10 * n, 10 * n_small, tmp_path / "10n")
     kind = FAMILIES[family][0]
     size = n if kind == "dataset" else n_small
     if family != "coverage":  # min_scene_coverage reads the table and the data's length, not the data
         assert sum(large["loaded"].values()) >= 10 * size, large  # every input was read, one at a time
-    ratio = large["maxrss_kib"] / small["maxrss_kib"]
-    measured = (f"{family}: peak RSS {small['maxrss_kib'] / 1024:.0f} MiB with {size} inputs, "
-                f"{large['maxrss_kib'] / 1024:.0f} MiB with {10 * size} (x{ratio:.2f})")
+    ratio = large["peak_kib"] / small["peak_kib"]
+    measured = (f"{family}: peak RSS {small['peak_kib'] / 1024:.0f} MiB with {size} inputs, "
+                f"{large['peak_kib'] / 1024:.0f} MiB with {10 * size} (x{ratio:.2f})")
     print(measured)
     assert ratio < 1.2, measured
