@@ -264,7 +264,7 @@ CASES: tuple[EngineCase, ...] = (
                _performance_rows, _positional("group_index", "correct", "labels")),
     EngineCase(CellTallyEngine, lambda device: CellTallyEngine(7, 3, device=device),
                _tally_rows, _positional("cells", "predictions")),
-    EngineCase(AdversarialConfidenceEngine, _confidence_engine, _confidence_rows, _confidence_args, exact=False, why=_FLOAT_SUMS + " (the worst and per-family confidence drops); counts are exact"),
+    EngineCase(AdversarialConfidenceEngine, _confidence_engine, _confidence_rows, _confidence_args, exact=True),
     EngineCase(VerificationEngine, lambda device: VerificationEngine(0.01, method="crown", device=device),
                _verification_rows, _positional("verdicts", "margins")),
     EngineCase(ScenarioCoverageEngine,
