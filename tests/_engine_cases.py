@@ -229,8 +229,6 @@ def _validated(*names: str) -> Callable[[dict[str, Tensor], int, bool], Args]:
     return lambda chunk, start, trusted: (tuple(chunk[n] for n in names), {"validate": False} if trusted else {})
 
 
-_FLOAT_SUMS = "float64 sums of per-input values: their rounding depends on the order of additions, i.e. on the split"
-
 CASES: tuple[EngineCase, ...] = (
     EngineCase(WeightedConfusionEngine,
                lambda device: WeightedConfusionEngine(torch.tensor(_SEVERITY), ["a", "b", "c", "d"], confidence=0.9,
