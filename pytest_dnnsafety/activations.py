@@ -256,7 +256,13 @@ def capture(
                     f"{tuple(getattr(out, 'shape', ()))}; neuron metrics need a tensor (batch, neurons, ...)"
                 )
             shapes.setdefault(layer, tuple(out.shape[1:]))
-            flat = out.detach().flatten(2) if out.ndim > 2 else out.detach().unsqueeze(-1)
+            if out.ndim == 2:  # one value per neuron: max = mean = min, kept once (a third of the memory)
+                value = out.detach().float()
+                maxima[layer].append(value)
+                means[layer].append(value)
+                minima[layer].append(value)
+                return
+            flat = out.detach().flatten(2)
             maxima[layer].append(flat.amax(dim=-1).float())
             means[layer].append(flat.mean(dim=-1, dtype=torch.float32))
             minima[layer].append(flat.amin(dim=-1).float())
@@ -310,7 +316,9 @@ def _layer_result(layer: str, maxima: list[Tensor], means: list[Tensor], minima:
             f"need exactly one output per input. Fix: name a layer the model calls once per forward pass "
             f"(not a reused or unused module)."
         )
-    mx, mn, lo = torch.cat(maxima), torch.cat(means), torch.cat(minima)
+    mx = torch.cat(maxima)
+    same = all(a is b for a, b in zip(maxima, means)) and all(a is b for a, b in zip(maxima, minima))
+    mn, lo = (mx, mx) if same else (torch.cat(means), torch.cat(minima))
     if mx.shape[0] != sum(sizes):
         raise MetricError(
             f"layer {layer!r} produced {mx.shape[0]} rows for {sum(sizes)} inputs; neuron metrics need the "
