@@ -426,8 +426,8 @@ class FunctionNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.fc(x)
-        if self.fn == "sigmoid":
-            return torch.sigmoid(z)
+        if self.fn == "exp":
+            return torch.exp(z)
         if self.fn == "product":
             return z * z
         if self.fn == "branch":
@@ -439,10 +439,10 @@ class FunctionNet(nn.Module):
     ("model", "pattern"),
     [
         (Head(nn.Softmax(dim=1)), r"layer 'head\.2' \(Softmax\) is not supported by certified bounds; supported: "),
-        (Head(nn.Sigmoid()), r"layer 'head\.2' \(Sigmoid\)"),
-        (Head(nn.Tanh()), r"layer 'head\.2' \(Tanh\).*Fix: "),
+        (Head(nn.Softplus()), r"layer 'head\.2' \(Softplus\)"),
+        (Head(nn.ELU()), r"layer 'head\.2' \(ELU\).*Fix: "),
         (LSTMNet(), r"layer 'lstm' \(LSTM\)"),
-        (FunctionNet("sigmoid"), r"operation 'sigmoid' \(function sigmoid\)"),
+        (FunctionNet("exp"), r"operation 'exp' \(function exp\)"),
         (FunctionNet("product"), r"operation 'mul'.*multiplies or divides two tensors"),
         (FunctionNet("branch"), r"could not be traced with torch\.fx"),
         (FunctionNet("tuple"), r"the model's output is not one tensor"),
@@ -450,7 +450,7 @@ class FunctionNet(nn.Module):
         (nn.Sequential(nn.MaxPool2d(2, ceil_mode=True)), r"layer '0' \(MaxPool2d\).*ceil_mode"),
         (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)), r"layer '1' \(BatchNorm1d\)"),
     ],
-    ids=["softmax", "sigmoid", "tanh", "lstm", "torch.sigmoid", "product", "branch", "tuple", "reflect", "ceil",
+    ids=["softmax", "softplus", "elu", "lstm", "torch.exp", "product", "branch", "tuple", "reflect", "ceil",
          "bn-batch-stats"],
 )
 def test_unsupported_layers_are_named(model: nn.Module, pattern: str) -> None:

@@ -481,8 +481,8 @@ CASES = [
              frozen = Frozen()
              frozen.load_state_dict(net.state_dict())
              return frozen.eval()""")),
-    Case("robustness_unsupported_layer", ("verified",), "*layer 'classifier.4' (Sigmoid) is not supported*",
-         _model_fixture("net.classifier.append(nn.Sigmoid())\nreturn net")),
+    Case("robustness_unsupported_layer", ("verified",), "*layer 'classifier.4' (Softmax) is not supported*",
+         _model_fixture("net.classifier.append(nn.Softmax(dim=1))\nreturn net")),
     Case("robustness_data_outside_the_valid_range", ("adv", "verified"), "*outside*clip*",
          _data_fixture("return x * 3 - 1, y")),
     Case("robustness_data_without_labels", ("adv", "verified"), "*no labels*",

@@ -5,9 +5,15 @@ are none. Sound output bounds over the whole L∞ ball can: if the lower bound o
 ``z_y − z_j`` is positive for every ``j ≠ y``, no input in the ball is misclassified.
 
 :class:`BoundedModel` traces a model with ``torch.fx`` into a DAG of supported ops (Linear,
-Conv2d, ReLU, eval-mode BatchNorm, average/max pooling, flatten/view/reshape, identity, eval
-dropout, residual additions, arithmetic with constants; see :data:`SUPPORTED`) and refuses
-anything else with :class:`UnsupportedLayerError` naming the layer — never a silent skip.
+Conv2d, ConvTranspose2d, ReLU, LeakyReLU, sigmoid, tanh, GELU, SiLU, eval-mode BatchNorm,
+average/max pooling, flatten/view/reshape, identity, eval dropout, residual additions,
+concatenation, arithmetic with constants; see :data:`SUPPORTED`, and :data:`FUNCTION_KINDS` /
+:data:`METHOD_KINDS` for the functions and methods) and refuses anything else with
+:class:`UnsupportedLayerError` naming the layer, its type and a fix — never a silent skip. The
+refusal comes from the constructor, before any input is bounded: LayerNorm and the other
+per-sample normalisations, softmax, attention (``nn.MultiheadAttention``, transformer layers,
+``F.scaled_dot_product_attention``) and products of two tensors computed from the input
+(``q @ k.T``) each get a reason and a fix of their own.
 
 * :meth:`BoundedModel.ibp` — interval bound propagation (Gowal et al. 2018, "On the
   effectiveness of interval bound propagation for training verifiably robust models"): boxes
@@ -38,41 +44,24 @@ model's dtype (float32, or float64 for a float64 model). Pure torch; no pytest i
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...errors import ConfigError, DataError, MetricError
 from ...outputs import model_dtype_device
 from .bounds_crown import BoundState
-from .bounds_ops import AffineOp, ConvOp, LinearOp, MaxPoolOp, Op, PositiveLinearOp, ReluOp, ReshapeOp, SumOp
+from .bounds_ops import (AffineOp, ConcatOp, ConvOp, ConvTransposeOp, LeakyReluOp, LinearOp, MaxPoolOp, Op,
+                         PermuteOp, PositiveLinearOp, ReluOp, ReshapeOp, SumOp)
+from .bounds_layers import (_ELEMENTWISE_KINDS, _ELEMENTWISE_MODULES, _FIX, _KWARGS, _REFUSED_FUNCTIONS,
+                            _REFUSED_METHODS, _REFUSED_MODULES, FUNCTION_KINDS, METHOD_KINDS, REFUSED_REASONS,
+                            SUPPORTED, _arg, _lookup)
+from .bounds_smooth import ACTIVATIONS
 
-__all__ = ["UnsupportedLayerError", "BoundedModel", "input_box", "SUPPORTED"]
+__all__ = ["UnsupportedLayerError", "BoundedModel", "input_box", "SUPPORTED", "FUNCTION_KINDS", "METHOD_KINDS"]
 
-#: What the certified bounds understand (named in every :class:`UnsupportedLayerError`).
-SUPPORTED = ("nn.Linear, nn.Conv2d (zeros padding), ReLU (nn.ReLU, F.relu, torch.relu, .relu()), "
-             "nn.BatchNorm1d/2d in eval mode, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d (floor mode), "
-             "flatten/view/reshape (nn.Flatten, torch.flatten, .view, .reshape), nn.Identity, nn.Dropout, "
-             "additions of two tensors (residual blocks), and +, -, *, / with constants")
-
-_FIX = ("Fix: verify a model built only from supported layers (for a final Softmax/LogSoftmax: verify the "
-        "logits model without it, the predicted class is the same), or use the attack-based robustness gates, "
-        "which need no bounds.")
-
-_RELU_FUNCS = {F.relu, torch.relu, torch.relu_}
-_ADD = {operator.add, operator.iadd, torch.add}
-_SUB = {operator.sub, operator.isub, torch.sub}
-_MUL = {operator.mul, operator.imul, torch.mul}
-_DIV = {operator.truediv, operator.itruediv, torch.div, torch.true_divide}
-_NEG = {operator.neg, torch.neg}
-_RESHAPE_FUNCS = {torch.flatten, torch.reshape}
-_METHODS = {"relu": "relu", "relu_": "relu", "add": "add", "add_": "add", "sub": "sub", "mul": "mul",
-            "div": "div", "neg": "neg", "flatten": "reshape", "view": "reshape", "reshape": "reshape",
-            "contiguous": "reshape"}
 _SHAPE_METHODS = {"size", "dim"}
 _RESHAPE_MODULES = (nn.Flatten, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
@@ -116,6 +105,24 @@ def _training_error(model: nn.Module) -> UnsupportedLayerError | None:
                 f"{where} is in training mode{extra}; certified bounds need the inference-time function. "
                 f"Fix: put the model in eval mode (model.eval()) before verifying it.")
     return None
+
+
+def _activation_params(kind: str, label: str, *, module: nn.Module | None = None,
+                       node: fx.Node | None = None) -> dict[str, Any]:
+    """The parameters of an elementwise activation (a LeakyReLU's slope, a GELU's approximation), checked."""
+    if kind == "leaky_relu":
+        slope = module.negative_slope if module is not None else _arg(node, 1, "negative_slope", 0.01)  # type: ignore
+        if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not math.isfinite(slope):
+            raise _unsupported(label, f"has negative_slope={slope!r}; certified bounds need a finite number",
+                               "Fix: give the LeakyReLU a constant finite slope.")
+        return {"slope": float(slope)}
+    if kind == "gelu":
+        approximate = module.approximate if module is not None else _arg(node, 1, "approximate", "none")  # type: ignore
+        if approximate not in ("none", "tanh"):
+            raise _unsupported(label, f"has approximate={approximate!r}, which is not supported",
+                               "Fix: use approximate='none' or 'tanh'.")
+        return {"approximate": approximate}
+    return {}
 
 
 def _flat_nodes(value: Any) -> list[Any]:
@@ -213,8 +220,19 @@ class BoundedModel:
                 if module.padding_mode != "zeros":
                     raise _unsupported(label, f"uses padding_mode={module.padding_mode!r}, which is not supported")
                 return "conv"
+            if isinstance(module, nn.ConvTranspose2d):
+                if module.padding_mode != "zeros":  # pragma: no cover - torch itself only allows zeros
+                    raise _unsupported(label, f"uses padding_mode={module.padding_mode!r}, which is not supported")
+                return "conv_transpose"
             if isinstance(module, nn.ReLU):
                 return "relu"
+            for cls, kind in _ELEMENTWISE_MODULES.items():
+                if isinstance(module, cls):
+                    _activation_params(kind, label, module=module)
+                    return kind
+            for classes, why, fix in _REFUSED_MODULES:
+                if isinstance(module, classes):
+                    raise _unsupported(label, why, fix)
             if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
                 if module.running_mean is None or module.running_var is None:
                     raise _unsupported(label, "has no running statistics (track_running_stats=False) and normalises "
@@ -231,23 +249,40 @@ class BoundedModel:
             raise _unsupported(label)
         tensor_args = [a for a in args if kinds[a] == "tensor"]
         if node.op == "call_method":
-            kind = _METHODS.get(str(node.target))
+            kind = METHOD_KINDS.get(str(node.target))
+            refused = _REFUSED_METHODS.get(str(node.target))
         else:
-            target = node.target
-            kind = ("relu" if target in _RELU_FUNCS else "add" if target in _ADD else "sub" if target in _SUB
-                    else "mul" if target in _MUL else "div" if target in _DIV else "neg" if target in _NEG
-                    else "reshape" if target in _RESHAPE_FUNCS else None)
+            kind = _lookup(FUNCTION_KINDS, node.target)
+            refused = _lookup(_REFUSED_FUNCTIONS, node.target)
+        if refused == "matmul" and len(tensor_args) < 2:
+            raise _unsupported(label, "multiplies a tensor computed from the input by a constant matrix, which is "
+                                      "not supported", "Fix: use nn.Linear (or a 1×1 nn.Conv2d) for the product.")
+        if refused is not None:
+            raise _unsupported(label, *REFUSED_REASONS[refused])
         if kind is None:
             raise _unsupported(label)
         if kind in ("mul", "div") and len(tensor_args) > 1:
             raise _unsupported(label, "multiplies or divides two tensors computed from the input (not linear)")
         if kind == "div" and (not isinstance(node.args[0], fx.Node) or kinds.get(node.args[0]) != "tensor"):
             raise _unsupported(label, "divides by a tensor computed from the input (not linear)")
-        extra = set(node.kwargs) - ({"inplace"} if kind == "relu" else {"alpha"} if kind in ("add", "sub") else
-                                    {"start_dim", "end_dim", "shape"} if kind == "reshape" else set())
+        extra = set(node.kwargs) - _KWARGS.get(kind, set())
         if extra:
             raise _unsupported(label, f"is called with {sorted(extra)}, which is not supported")
-        if any(kinds[a] == "shape" for a in args) and kind != "reshape":
+        if kind == "cat":
+            pieces = node.args[0] if node.args else None
+            if not isinstance(pieces, (list, tuple)) or any(a not in _flat_nodes(pieces) for a in tensor_args):
+                raise _unsupported(label, "concatenates a tensor that is not in its list of tensors")
+            dim = _arg(node, 1, "dim", 0)
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim == 0:
+                raise _unsupported(label, f"concatenates along dim={dim!r}; certified bounds need a fixed "
+                                          f"non-batch dimension", "Fix: concatenate along dim=1 or later.")
+        elif kind == "permute":
+            _permutation(node, label, None)
+        elif kind in _ELEMENTWISE_KINDS:
+            _activation_params(kind, label, node=node)
+            if len(tensor_args) != 1 or node.args[0] is not tensor_args[0]:
+                raise _unsupported(label, "has an unexpected argument list")
+        if any(kinds[a] == "shape" for a in args) and kind not in ("reshape", "cat"):
             raise _unsupported(label, "combines a tensor with a value computed from the input's shape")
         return kind
 
@@ -405,6 +440,18 @@ class BoundedModel:
                 op = AffineOp(*head, scale.reshape(view).to(centre.dtype), shift.reshape(view).to(centre.dtype))
             elif kind == "reshape":
                 op = ReshapeOp(*head)
+            elif kind == "conv_transpose":
+                if len(in_shapes[0]) != 3:
+                    raise _unsupported(item.label, f"gets per-sample shape {in_shapes[0]}; certified bounds need "
+                                                   f"(channels, height, width)")
+                op = ConvTransposeOp(*head, module)
+            elif kind in _ELEMENTWISE_KINDS:
+                params = _activation_params(kind, item.label, module=module, node=node)
+                op = LeakyReluOp(*head, params["slope"]) if kind == "leaky_relu" else ACTIVATIONS[kind](*head, **params)
+            elif kind == "cat":
+                op = _concat(item, env, index, inputs, in_shapes, out_shape, centre)
+            elif kind == "permute":
+                op = PermuteOp(*head, _permutation(node, item.label, len(out_shape) + 1))
             else:
                 op = _arith(item, env, index, inputs, in_shapes, out_shape, centre)
             index[node] = len(ops)
@@ -453,6 +500,60 @@ def _arith(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inpu
     else:
         scale, shift = -one, zero
     return AffineOp(item.label, inputs, in_shapes, out_shape, scale, shift)
+
+
+def _permutation(node: fx.Node, label: str, ndim: int | None) -> tuple[int, ...]:
+    """The permutation of the per-sample dimensions of a ``transpose``/``permute`` node (checked).
+
+    ``ndim``: the tensor's number of dimensions, batch included (None: check the arguments only).
+    """
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name == "transpose":
+        dims: Any = (_arg(node, 1, "dim0", None), _arg(node, 2, "dim1", None))
+    else:
+        dims = node.args[1:] if len(node.args) > 2 else _arg(node, 1, "dims", None)
+    dims = tuple(dims) if isinstance(dims, (list, tuple)) else (dims,)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+        raise _unsupported(label, f"reorders dimensions {dims!r}, which are not constant integers")
+    resolved = dims if ndim is None else tuple(d + ndim if d < 0 else d for d in dims)
+    if name == "transpose":
+        batch_moves = 0 in resolved and resolved[0] != resolved[1]
+    else:
+        batch_moves = resolved[0] != 0 if ndim is not None or resolved[0] >= 0 else False
+    if batch_moves or (ndim is not None and name != "transpose" and sorted(resolved) != list(range(ndim))):
+        raise _unsupported(label, f"reorders dimensions {dims!r} and moves the batch dimension",
+                           "Fix: keep the batch first (transpose or permute the other dimensions only).")
+    if ndim is None:
+        return ()
+    if name == "transpose":
+        perm = list(range(ndim))
+        perm[resolved[0]], perm[resolved[1]] = perm[resolved[1]], perm[resolved[0]]
+        resolved = tuple(perm)
+    return tuple(d - 1 for d in resolved[1:])
+
+
+def _concat(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inputs: tuple[int, ...],
+            in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...], centre: Tensor) -> Op:
+    """The op of ``torch.cat(pieces, dim)``: bounded tensors and constants shared by every sample."""
+    node = item.fx_node
+    dim = _arg(node, 1, "dim", 0)
+    ndim = len(out_shape) + 1
+    dim = dim + ndim if dim < 0 else dim
+    if not 1 <= dim < ndim:
+        raise _unsupported(item.label, f"concatenates along dim={_arg(node, 1, 'dim', 0)!r}, the batch dimension "
+                                       f"of a {ndim}-d tensor", "Fix: concatenate along dim=1 or later.")
+    pieces: list[Tensor | None] = []
+    for piece in node.args[0]:
+        if isinstance(piece, fx.Node) and piece in index:
+            pieces.append(None)
+            continue
+        value = env[piece] if isinstance(piece, fx.Node) else piece
+        if not isinstance(value, Tensor) or value.ndim != ndim or value.shape[0] != 2 or not bool(
+                (value[0] == value[1]).all()):  # per-sample constants only (the same row for every sample)
+            raise _unsupported(item.label, "concatenates a value that is neither computed from the input nor the "
+                                           "same tensor for every sample")
+        pieces.append(value[:1].detach().to(device=centre.device, dtype=centre.dtype))
+    return ConcatOp(item.label, inputs, in_shapes, out_shape, dim - 1, pieces)
 
 
 def _check_box(x_lo: Tensor, x_hi: Tensor) -> None:

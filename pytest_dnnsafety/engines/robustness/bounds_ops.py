@@ -18,7 +18,14 @@ first dimension). An op knows three things:
   - ReLU (CROWN): ``y ≤ u/(u−l)·(x−l)`` and ``y ≥ α·x`` with the adaptive slope ``α = 1`` if
     ``u > −l`` else ``0``; stable neurons are exact (``y = x`` or ``y = 0``);
   - max-pooling: ``y ≥ x_{j*}`` with ``j*`` the window's input of largest lower bound, and
-    ``y ≤ max_j u_j``, or ``y = x_{j*}`` exactly when ``l_{j*} ≥ u_j`` for every other ``j``.
+    ``y ≤ max_j u_j``, or ``y = x_{j*}`` exactly when ``l_{j*} ≥ u_j`` for every other ``j``;
+  - elementwise activations (:class:`ElementwiseOp`): two lines per neuron,
+    ``al·x + bl ≤ f(x) ≤ au·x + bu`` on ``[l, u]``; LeakyReLU here (the ReLU relaxation with the
+    negative slope), the smooth ones (sigmoid, tanh, GELU, SiLU) in :mod:`.bounds_smooth`.
+
+Multi-input linear ops: residual sums (:class:`SumOp`) and ``torch.cat`` (:class:`ConcatOp`, whose
+transpose splits the coefficients). A transposed convolution (:class:`ConvTransposeOp`) goes back
+through its adjoint, ``conv2d`` with the same weight.
 
 No Python loops over neurons; everything runs on the tensors' device in their dtype.
 Part of :mod:`pytest_dnnsafety.engines.robustness.bounds` (no pytest import).
@@ -35,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Op", "Linear", "Nonlinear", "LinearOp", "ConvOp", "PositiveLinearOp", "AffineOp", "SumOp", "ReshapeOp", "ReluOp",
-           "MaxPoolOp"]
+           "MaxPoolOp", "ConvTransposeOp", "ConcatOp", "ElementwiseOp", "LeakyReluOp", "PermuteOp"]
 
 
 def _pos(a: Tensor) -> Tensor:
@@ -277,6 +284,29 @@ class ReshapeOp(Linear):
         return [a.reshape(a.shape[0], a.shape[1], *self.in_shapes[0])], None
 
 
+class PermuteOp(Linear):
+    """``transpose`` / ``permute`` of the per-sample dimensions (the batch stays first): ``perm`` over them."""
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 perm: tuple[int, ...]) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.perm = perm
+        self.inverse = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return xs[0].permute(0, *(d + 1 for d in self.perm))
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self.forward(rs)
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        lo, hi = ivs[0]
+        return self.forward([lo]), self.forward([hi])
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        return [a.permute(0, 1, *(d + 2 for d in self.inverse))], None
+
+
 class ReluOp(Nonlinear):
     """ReLU with the CROWN relaxation (adaptive lower slope)."""
 
@@ -360,3 +390,150 @@ class MaxPoolOp(Nonlinear):
         out = torch.zeros((bc, k, math.prod(self.in_shapes[0])), dtype=lam.dtype, device=lam.device)
         out.scatter_add_(2, jstar.unsqueeze(1).expand(bc, k, -1), coef)
         return out.reshape(bc, k, *self.in_shapes[0]), bias
+
+
+class ConvTransposeOp(Linear):
+    """``nn.ConvTranspose2d`` (any stride, padding, dilation, groups, output padding; zeros padding).
+
+    Its transpose is ``conv2d`` with the same weight, stride, padding, dilation and groups (the
+    transposed convolution *is* the adjoint of that convolution); the output padding appends
+    rows/columns that only the bias reaches, and the adjoint's extra outputs (an output padding of
+    at least the stride, possible with a dilation) are cropped. The output padding is read from
+    the traced shapes, so a forward call with ``output_size`` is covered too.
+    """
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
+                 module: torch.nn.ConvTranspose2d) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.weight, self.bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+        self.stride, self.padding = module.stride, module.padding
+        self.dilation, self.groups = module.dilation, module.groups
+        _, h, w = in_shapes[0]
+        kh, kw = self.weight.shape[2:]
+        self.output_padding = tuple(out - ((size - 1) * s - 2 * p + d * (k - 1) + 1) for size, out, k, s, p, d in
+                                    zip((h, w), out_shape[1:], (kh, kw), self.stride, self.padding, self.dilation))
+
+    def _convt(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.conv_transpose2d(x, weight, bias, self.stride, self.padding, self.output_padding, self.groups,
+                                  self.dilation)
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return self._convt(xs[0], self.weight, self.bias if bias else None)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self._convt(rs[0], self.weight.abs(), None)
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        bs, k = a.shape[:2]
+        in_shape = self.in_shapes[0]
+        flat = a.reshape(bs * k, *self.out_shape)
+        out = F.conv2d(flat, self.weight, None, self.stride, self.padding, self.dilation, self.groups)
+        out = out[..., :in_shape[1], :in_shape[2]]
+        if tuple(out.shape[1:]) != tuple(in_shape):  # pragma: no cover - the adjoint never comes out smaller
+            out = _vjp(lambda z: self._convt(z, self.weight, None), a, in_shape).reshape(bs * k, *in_shape)
+        bias = None
+        if self.bias is not None:
+            bias = torch.matmul(a.sum(dim=(3, 4)), self.bias)
+        return [out.reshape(bs, k, *in_shape)], bias
+
+
+class ConcatOp(Linear):
+    """``torch.cat`` along a per-sample dimension ``dim`` of bounded tensors and constants.
+
+    ``pieces``: in order, ``None`` for the next bounded input (``inputs`` in that order, a tensor
+    may appear twice) or a constant ``(1, *piece_shape)`` (the same for every sample, e.g. a class
+    token expanded to the batch): the constants are the op's bias. The transpose splits the
+    coefficients along ``dim`` (Bs, K, *out) into the inputs' pieces.
+    """
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any, dim: int,
+                 pieces: list[Tensor | None]) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.dim, self.pieces = dim, pieces
+        shapes = iter(in_shapes)
+        self.sizes = [int(p.shape[dim + 1]) if p is not None else next(shapes)[dim] for p in pieces]
+
+    def _cat(self, xs: list[Tensor], const: bool) -> Tensor:
+        it = iter(xs)
+        b = xs[0].shape[0]
+        parts = []
+        for p in self.pieces:
+            if p is None:
+                parts.append(next(it))
+            else:
+                parts.append((p if const else torch.zeros_like(p)).expand(b, *p.shape[1:]))
+        return torch.cat(parts, dim=self.dim + 1)
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return self._cat(xs, bias)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self._cat(rs, False)
+
+    def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        parts = torch.split(a, self.sizes, dim=self.dim + 2)
+        ins, bias = [], None
+        for p, part in zip(self.pieces, parts):
+            if p is None:
+                ins.append(part)
+            else:
+                add = _row_dot(part, p[0])
+                bias = add if bias is None else bias + add
+        return ins, bias
+
+
+class ElementwiseOp(Nonlinear):
+    """An elementwise activation relaxed by two lines per neuron on its input's bounds ``[l, u]``.
+
+    :meth:`relax` returns ``(al, bl, au, bu)`` shaped like the bounds with
+    ``al·x + bl ≤ f(x) ≤ au·x + bu`` for every ``x`` in ``[l, u]``; the backward pass takes the
+    lower line where a coefficient is positive and the upper one where it is negative (CROWN,
+    Zhang et al. 2018, §3.2, Theorem 3.2).
+    """
+
+    def back_relaxed(self, a: Tensor, relax: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        al, bl, au, bu = relax
+        pos, neg = _pos(a), _neg(a)
+        a_in = pos * al.unsqueeze(1) + neg * au.unsqueeze(1)
+        return a_in, _row_dot(pos, bl) + _row_dot(neg, bu)
+
+
+class LeakyReluOp(ElementwiseOp):
+    """``f(x) = x`` for ``x ≥ 0``, ``s·x`` below (``nn.LeakyReLU``, ``F.leaky_relu``) for any finite slope ``s``.
+
+    ``s ≤ 1``: ``f = max(x, s·x)`` is convex (also for a negative ``s``, where it is not monotone);
+    ``s > 1``: ``f = min(x, s·x)`` is concave. For an unstable neuron (``l < 0 < u``) the chord
+    ``k·(x − l) + s·l``, ``k = (u − s·l)/(u − l)``, bounds a convex ``f`` from above and a concave
+    one from below; the other side is the line through the origin with the adaptive slope of
+    CROWN's ReLU (1 if ``u > −l`` else ``s``: the one of smaller area between it and ``f``), below
+    a convex ``f`` (every slope in ``[s, 1]`` is) and above a concave one (every slope in
+    ``[1, s]``). Stable neurons are exact. IBP: ``[min(f(l), f(clamp(0, l, u))), max(f(l), f(u))]``,
+    exact for both shapes (a convex ``f`` peaks at an end, its minimum is at 0 or an end; a
+    concave ``f`` with ``s > 1`` is increasing).
+    """
+
+    def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any, slope: float) -> None:
+        super().__init__(label, inputs, in_shapes, out_shape)
+        self.slope = float(slope)
+
+    def _f(self, x: Tensor) -> Tensor:
+        return torch.where(x >= 0, x, x * self.slope)
+
+    def ibp(self, ivs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        lo, hi = ivs[0]
+        f_lo, f_hi = self._f(lo), self._f(hi)
+        mid = self._f(torch.minimum(torch.maximum(torch.zeros_like(lo), lo), hi))
+        return torch.minimum(f_lo, mid), torch.maximum(f_lo, f_hi)
+
+    def relax(self, lo: Tensor, hi: Tensor) -> tuple[Tensor, ...]:
+        s = self.slope
+        unstable = (lo < 0) & (hi > 0)
+        exact = torch.where(lo >= 0, torch.ones_like(lo), torch.full_like(lo, s))  # stable: f(x) = exact·x
+        width = torch.where(unstable, hi - lo, torch.ones_like(hi))
+        k = torch.where(unstable, (hi - s * lo) / width, exact)
+        kb = torch.where(unstable, (s - k) * lo, torch.zeros_like(lo))
+        adaptive = torch.where(unstable, torch.where(hi > -lo, torch.ones_like(lo), torch.full_like(lo, s)), exact)
+        zero = torch.zeros_like(lo)
+        if s <= 1:  # convex: lower through the origin, upper the chord
+            return adaptive, zero, k, kb
+        return k, kb, adaptive, zero  # concave
