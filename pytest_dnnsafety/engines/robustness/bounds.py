@@ -13,7 +13,7 @@ concatenation, arithmetic with constants; see :data:`SUPPORTED`, and :data:`FUNC
 refusal comes from the constructor, before any input is bounded: LayerNorm and the other
 per-sample normalisations, softmax, attention (``nn.MultiheadAttention``, transformer layers,
 ``F.scaled_dot_product_attention``) and products of two tensors computed from the input
-(``q @ k.T``) each get a reason and a fix of their own.
+(attention scores ``q·kᵀ``) each get a reason and a fix of their own.
 
 * :meth:`BoundedModel.ibp` — interval bound propagation (Gowal et al. 2018, "On the
   effectiveness of interval bound propagation for training verifiably robust models"): boxes
@@ -21,9 +21,12 @@ per-sample normalisations, softmax, attention (``nn.MultiheadAttention``, transf
 * :meth:`BoundedModel.crown` — CROWN (Zhang et al. 2018, "Efficient neural network robustness
   certification with general activation functions"): backward linear bound propagation of the
   requested linear functions of the output, with the relaxations of
-  :mod:`~pytest_dnnsafety.engines.robustness.bounds_ops`. The bounds of every ReLU/max-pool input
-  are themselves computed by CROWN back from that node ("full" CROWN, not CROWN-IBP), intersected
-  with the IBP bounds; the final bounds are intersected with IBP too, so CROWN is never looser
+  :mod:`~pytest_dnnsafety.engines.robustness.bounds_ops` (ReLU, LeakyReLU, max-pooling) and
+  :mod:`~pytest_dnnsafety.engines.robustness.bounds_smooth` (sigmoid and tanh by the tangent and
+  secant lines of Zhang et al. 2018, §3.3; GELU and SiLU by lines whose offsets are bounded from a
+  grid plus a curvature term). The bounds of every nonlinear op's input are themselves
+  computed by CROWN back from that node ("full" CROWN, not CROWN-IBP), intersected with the IBP
+  bounds; the final bounds are intersected with IBP too, so CROWN is never looser
   than IBP. Only the intermediate neurons whose bounds can change a relaxation are bounded by
   CROWN (a ReLU input that IBP already proves stable keeps its IBP bounds). The linear maps in
   front of the first nonlinearity are shared by the batch (computed once), and a small input

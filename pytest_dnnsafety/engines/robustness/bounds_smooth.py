@@ -73,7 +73,7 @@ _NARROW = 1e-4
 #: Grid points per neuron for the offsets of the non-monotone activations.
 GRID = 33
 #: Bisection steps for the tangent points of the S-shaped activations (float64).
-_BISECT = 60
+_BISECT = 40
 #: Values per chunk of the grid evaluation (float64).
 _CHUNK = 1 << 21
 
