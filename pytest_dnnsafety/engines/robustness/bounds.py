@@ -46,8 +46,9 @@ model's dtype (float32, or float64 for a float64 model). Pure torch; no pytest i
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -60,7 +61,7 @@ from .bounds_ops import (AffineOp, ConcatOp, ConvOp, ConvTransposeOp, LeakyReluO
                          PermuteOp, PositiveLinearOp, ReluOp, ReshapeOp, SumOp)
 from .bounds_layers import (_ELEMENTWISE_KINDS, _ELEMENTWISE_MODULES, _FIX, _KWARGS, _REFUSED_FUNCTIONS,
                             _REFUSED_METHODS, _REFUSED_MODULES, FUNCTION_KINDS, METHOD_KINDS, REFUSED_REASONS,
-                            SUPPORTED, _arg, _lookup)
+                            SUPPORTED, Refusal, _lookup, activation_params, concat_dim, concat_pieces, permutation)
 from .bounds_smooth import ACTIVATIONS
 
 __all__ = ["UnsupportedLayerError", "BoundedModel", "input_box", "SUPPORTED", "FUNCTION_KINDS", "METHOD_KINDS"]
@@ -95,6 +96,15 @@ def _unsupported(label: str, why: str = "is not supported by certified bounds", 
     return UnsupportedLayerError(f"{label} {why}; supported: {SUPPORTED}. {fix}")
 
 
+@contextlib.contextmanager
+def _naming(label: str) -> Iterator[None]:
+    """Turn a :class:`Refusal` raised inside into an :class:`UnsupportedLayerError` naming ``label``."""
+    try:
+        yield
+    except Refusal as refusal:
+        raise _unsupported(label, refusal.why, refusal.fix or _FIX) from None
+
+
 def _training_error(model: nn.Module) -> UnsupportedLayerError | None:
     modules = list(model.named_modules())  # a BatchNorm in training mode first: the worst offender
     modules.sort(key=lambda item: not isinstance(item[1], nn.modules.batchnorm._BatchNorm))
@@ -108,24 +118,6 @@ def _training_error(model: nn.Module) -> UnsupportedLayerError | None:
                 f"{where} is in training mode{extra}; certified bounds need the inference-time function. "
                 f"Fix: put the model in eval mode (model.eval()) before verifying it.")
     return None
-
-
-def _activation_params(kind: str, label: str, *, module: nn.Module | None = None,
-                       node: fx.Node | None = None) -> dict[str, Any]:
-    """The parameters of an elementwise activation (a LeakyReLU's slope, a GELU's approximation), checked."""
-    if kind == "leaky_relu":
-        slope = module.negative_slope if module is not None else _arg(node, 1, "negative_slope", 0.01)  # type: ignore
-        if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not math.isfinite(slope):
-            raise _unsupported(label, f"has negative_slope={slope!r}; certified bounds need a finite number",
-                               "Fix: give the LeakyReLU a constant finite slope.")
-        return {"slope": float(slope)}
-    if kind == "gelu":
-        approximate = module.approximate if module is not None else _arg(node, 1, "approximate", "none")  # type: ignore
-        if approximate not in ("none", "tanh"):
-            raise _unsupported(label, f"has approximate={approximate!r}, which is not supported",
-                               "Fix: use approximate='none' or 'tanh'.")
-        return {"approximate": approximate}
-    return {}
 
 
 def _flat_nodes(value: Any) -> list[Any]:
@@ -231,7 +223,8 @@ class BoundedModel:
                 return "relu"
             for cls, kind in _ELEMENTWISE_MODULES.items():
                 if isinstance(module, cls):
-                    _activation_params(kind, label, module=module)
+                    with _naming(label):
+                        activation_params(kind, module=module)
                     return kind
             for classes, why, fix in _REFUSED_MODULES:
                 if isinstance(module, classes):
@@ -271,20 +264,15 @@ class BoundedModel:
         extra = set(node.kwargs) - _KWARGS.get(kind, set())
         if extra:
             raise _unsupported(label, f"is called with {sorted(extra)}, which is not supported")
-        if kind == "cat":
-            pieces = node.args[0] if node.args else None
-            if not isinstance(pieces, (list, tuple)) or any(a not in _flat_nodes(pieces) for a in tensor_args):
-                raise _unsupported(label, "concatenates a tensor that is not in its list of tensors")
-            dim = _arg(node, 1, "dim", 0)
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim == 0:
-                raise _unsupported(label, f"concatenates along dim={dim!r}; certified bounds need a fixed "
-                                          f"non-batch dimension", "Fix: concatenate along dim=1 or later.")
-        elif kind == "permute":
-            _permutation(node, label, None)
-        elif kind in _ELEMENTWISE_KINDS:
-            _activation_params(kind, label, node=node)
-            if len(tensor_args) != 1 or node.args[0] is not tensor_args[0]:
-                raise _unsupported(label, "has an unexpected argument list")
+        with _naming(label):
+            if kind == "cat":
+                concat_dim(node, tensor_args, None)
+            elif kind == "permute":
+                permutation(node, None)
+            elif kind in _ELEMENTWISE_KINDS:
+                activation_params(kind, node=node)
+                if len(tensor_args) != 1 or node.args[0] is not tensor_args[0]:
+                    raise Refusal("has an unexpected argument list")
         if any(kinds[a] == "shape" for a in args) and kind not in ("reshape", "cat"):
             raise _unsupported(label, "combines a tensor with a value computed from the input's shape")
         return kind
@@ -448,13 +436,18 @@ class BoundedModel:
                     raise _unsupported(item.label, f"gets per-sample shape {in_shapes[0]}; certified bounds need "
                                                    f"(channels, height, width)")
                 op = ConvTransposeOp(*head, module)
-            elif kind in _ELEMENTWISE_KINDS:
-                params = _activation_params(kind, item.label, module=module, node=node)
-                op = LeakyReluOp(*head, params["slope"]) if kind == "leaky_relu" else ACTIVATIONS[kind](*head, **params)
-            elif kind == "cat":
-                op = _concat(item, env, index, inputs, in_shapes, out_shape, centre)
-            elif kind == "permute":
-                op = PermuteOp(*head, _permutation(node, item.label, len(out_shape) + 1))
+            elif kind in _ELEMENTWISE_KINDS or kind in ("cat", "permute"):
+                with _naming(item.label):
+                    if kind == "cat":
+                        pieces = concat_pieces(node, env, index, len(out_shape) + 1, centre)
+                        op = ConcatOp(item.label, inputs, in_shapes, out_shape,
+                                      concat_dim(node, [], len(out_shape) + 1) - 1, pieces)
+                    elif kind == "permute":
+                        op = PermuteOp(*head, permutation(node, len(out_shape) + 1))
+                    else:
+                        params = activation_params(kind, module=module, node=node)
+                        op = (LeakyReluOp(*head, params["slope"]) if kind == "leaky_relu"
+                              else ACTIVATIONS[kind](*head, **params))
             else:
                 op = _arith(item, env, index, inputs, in_shapes, out_shape, centre)
             index[node] = len(ops)
@@ -503,60 +496,6 @@ def _arith(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inpu
     else:
         scale, shift = -one, zero
     return AffineOp(item.label, inputs, in_shapes, out_shape, scale, shift)
-
-
-def _permutation(node: fx.Node, label: str, ndim: int | None) -> tuple[int, ...]:
-    """The permutation of the per-sample dimensions of a ``transpose``/``permute`` node (checked).
-
-    ``ndim``: the tensor's number of dimensions, batch included (None: check the arguments only).
-    """
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if name == "transpose":
-        dims: Any = (_arg(node, 1, "dim0", None), _arg(node, 2, "dim1", None))
-    else:
-        dims = node.args[1:] if len(node.args) > 2 else _arg(node, 1, "dims", None)
-    dims = tuple(dims) if isinstance(dims, (list, tuple)) else (dims,)
-    if not dims or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
-        raise _unsupported(label, f"reorders dimensions {dims!r}, which are not constant integers")
-    resolved = dims if ndim is None else tuple(d + ndim if d < 0 else d for d in dims)
-    if name == "transpose":
-        batch_moves = 0 in resolved and resolved[0] != resolved[1]
-    else:
-        batch_moves = resolved[0] != 0 if ndim is not None or resolved[0] >= 0 else False
-    if batch_moves or (ndim is not None and name != "transpose" and sorted(resolved) != list(range(ndim))):
-        raise _unsupported(label, f"reorders dimensions {dims!r} and moves the batch dimension",
-                           "Fix: keep the batch first (transpose or permute the other dimensions only).")
-    if ndim is None:
-        return ()
-    if name == "transpose":
-        perm = list(range(ndim))
-        perm[resolved[0]], perm[resolved[1]] = perm[resolved[1]], perm[resolved[0]]
-        resolved = tuple(perm)
-    return tuple(d - 1 for d in resolved[1:])
-
-
-def _concat(item: _Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], inputs: tuple[int, ...],
-            in_shapes: tuple[tuple[int, ...], ...], out_shape: tuple[int, ...], centre: Tensor) -> Op:
-    """The op of ``torch.cat(pieces, dim)``: bounded tensors and constants shared by every sample."""
-    node = item.fx_node
-    dim = _arg(node, 1, "dim", 0)
-    ndim = len(out_shape) + 1
-    dim = dim + ndim if dim < 0 else dim
-    if not 1 <= dim < ndim:
-        raise _unsupported(item.label, f"concatenates along dim={_arg(node, 1, 'dim', 0)!r}, the batch dimension "
-                                       f"of a {ndim}-d tensor", "Fix: concatenate along dim=1 or later.")
-    pieces: list[Tensor | None] = []
-    for piece in node.args[0]:
-        if isinstance(piece, fx.Node) and piece in index:
-            pieces.append(None)
-            continue
-        value = env[piece] if isinstance(piece, fx.Node) else piece
-        if not isinstance(value, Tensor) or value.ndim != ndim or value.shape[0] != 2 or not bool(
-                (value[0] == value[1]).all()):  # per-sample constants only (the same row for every sample)
-            raise _unsupported(item.label, "concatenates a value that is neither computed from the input nor the "
-                                           "same tensor for every sample")
-        pieces.append(value[:1].detach().to(device=centre.device, dtype=centre.dtype))
-    return ConcatOp(item.label, inputs, in_shapes, out_shape, dim - 1, pieces)
 
 
 def _check_box(x_lo: Tensor, x_hi: Tensor) -> None:
