@@ -42,6 +42,7 @@ more than the synchronisations, hence the default.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -81,6 +82,7 @@ class BoundState:
         for op in self.ops[1:]:
             self.ivs.append(op.ibp([self.ivs[j] for j in op.inputs]))
         self.bounds: dict[int, tuple[Tensor, Tensor]] = {0: (x_lo, x_hi)}
+        self.refined: dict[int, tuple[Tensor, Tensor]] = {}
         self.relaxations: dict[int, tuple[Tensor, ...]] = {}
         self.dense = self._dense_tail()
 
@@ -192,6 +194,32 @@ class BoundState:
             lo, hi = self._bounds(p)
             self.relaxations[i] = op.relax(lo, hi)
 
+    def _interval(self, p: int) -> tuple[Tensor, Tensor]:
+        """IBP bounds of ``p`` propagated from the tightest bounds known of its ancestors (refined IBP).
+
+        Interval propagation restarted from every ancestor already bounded by CROWN (and
+        intersected with plain IBP): sound, and never looser than :attr:`ivs`. Deep in a network
+        plain IBP calls almost every neuron unstable (its looseness compounds layer by layer),
+        while one or two affine layers after CROWN-tight bounds leave few: only those need CROWN
+        rows (:meth:`_needed`). An entry is computed once; bounds found later are not folded back
+        into it (still sound, at most looser; the order of computation is fixed, so is the result).
+        """
+        if p in self.refined:
+            return self.refined[p]
+        for i in sorted(self.ancestors[p]):
+            if i in self.refined:
+                continue
+            lo, hi = self.ivs[i]
+            if i:
+                op = self.ops[i]
+                r_lo, r_hi = op.ibp([self.refined[j] for j in op.inputs])
+                lo, hi = torch.maximum(r_lo, lo), torch.minimum(r_hi, hi)
+            if i in self.bounds:
+                b_lo, b_hi = self.bounds[i]
+                lo, hi = torch.maximum(b_lo, lo), torch.minimum(b_hi, hi)
+            self.refined[i] = (lo, hi)
+        return self.refined[p]
+
     def _bounds(self, p: int) -> tuple[Tensor, Tensor]:
         if p in self.bounds:
             return self.bounds[p]
@@ -202,19 +230,67 @@ class BoundState:
             result = (torch.maximum(lo.clamp(min=0), ibp_lo), torch.minimum(hi.clamp(min=0), ibp_hi))
         elif (closed := self._one_relu_bounds(p)) is not None:
             lo, hi = closed
-            result = (torch.maximum(lo.reshape(ibp_lo.shape), ibp_lo), torch.minimum(hi.reshape(ibp_hi.shape), ibp_hi))
-        else:
+            # as in _crown_bounds (the same bounds whichever path is taken, so chunking changes nothing): CROWN
+            # for the neurons that need it, the refined interval for the others
+            ibp_lo, ibp_hi = self._interval(p)
+            lo = torch.maximum(lo.reshape(ibp_lo.shape), ibp_lo)
+            hi = torch.minimum(hi.reshape(ibp_hi.shape), ibp_hi)
             needed = self._needed(p)
-            n = op.numel
-            eye = torch.eye(n, dtype=ibp_lo.dtype, device=ibp_lo.device).reshape(1, n, *op.out_shape)
-            mask = None if needed is None else torch.cat([needed, needed], dim=1)
-            low = self.lower(p, torch.cat([eye, -eye], dim=1), True, mask)
-            shape = ibp_lo.shape
-            lo = torch.maximum(low[:, :n].reshape(shape), ibp_lo)
-            hi = torch.minimum(-low[:, n:].reshape(shape), ibp_hi)
+            if needed is not None:
+                needed = needed.reshape(ibp_lo.shape)
+                lo, hi = torch.where(needed, lo, ibp_lo), torch.where(needed, hi, ibp_hi)
             result = (lo, hi)
+        else:
+            result = self._crown_bounds(p)
         self.bounds[p] = result
+        if p in self.refined:
+            self.refined[p] = result
         return result
+
+    def _crown_bounds(self, p: int) -> tuple[Tensor, Tensor]:
+        """CROWN bounds of the neurons of ``p`` that need them (:meth:`_needed`), refined IBP elsewhere.
+
+        The rows are unit vectors ``±e_i``, built chunk by chunk inside :meth:`lower` (never the
+        ``n × n`` identity), and only for the neurons some sample of the batch needs (read on the
+        host; with :data:`HOST_SIZING` ``False``: all, masked per sample).
+        """
+        self._ensure(p)  # first the ancestors, so that the refined interval starts from their CROWN bounds
+        op = self.ops[p]
+        ibp_lo, ibp_hi = self._interval(p)
+        shape = ibp_lo.shape
+        n = op.numel
+        needed = self._needed(p)
+        cols = None
+        if needed is not None and self.host_sizing:
+            cols = torch.nonzero(needed.any(dim=0)).squeeze(1)  # the union over the batch (one host read)
+            if cols.numel() == n:
+                cols = None
+            else:
+                needed = needed[:, cols]
+        k = n if cols is None else int(cols.numel())
+        lo, hi = ibp_lo.flatten(1), ibp_hi.flatten(1)
+        if k == 0:
+            return ibp_lo, ibp_hi
+        dtype, device = ibp_lo.dtype, ibp_lo.device
+        index = torch.arange(n, device=device) if cols is None else cols
+
+        def rows(k0: int, k1: int) -> Tensor:  # rows k0:k1 of [e_cols; −e_cols], shared by the batch
+            at = torch.arange(k0, k1, device=device)
+            out = torch.zeros((1, k1 - k0, n), dtype=dtype, device=device)
+            sign = torch.where(at < k, 1.0, -1.0).to(dtype)
+            out[0, at - k0, index[at % k]] = sign
+            return out.reshape(1, k1 - k0, *op.out_shape)
+
+        mask = None if needed is None else torch.cat([needed, needed], dim=1)
+        low = self.lower(p, rows, True, mask, count=2 * k)
+        c_lo, c_hi = low[:, :k], -low[:, k:]
+        if cols is None:
+            lo, hi = torch.maximum(c_lo, lo), torch.minimum(c_hi, hi)
+        else:
+            lo, hi = lo.clone(), hi.clone()
+            lo[:, cols] = torch.maximum(c_lo, lo[:, cols])
+            hi[:, cols] = torch.minimum(c_hi, hi[:, cols])
+        return lo.reshape(shape), hi.reshape(shape)
 
     def _one_relu_bounds(self, p: int) -> tuple[Tensor, Tensor] | None:
         """CROWN bounds of ``p = chain(relu(v))`` with ``v = J·x + o`` affine in the input, in closed form.
@@ -293,7 +369,7 @@ class BoundState:
         A ReLU consumer needs only IBP-unstable ones; a ReLU whose output feeds a max-pool also
         needs those that may be positive; a direct max-pool (or anything else) needs all.
         """
-        lo, hi = (t.flatten(1) for t in self.ivs[p])
+        lo, hi = (t.flatten(1) for t in self._interval(p))
         mask = torch.zeros_like(lo, dtype=torch.bool)
         for c in self.consumers[p]:
             op = self.ops[c]
@@ -307,13 +383,18 @@ class BoundState:
         return mask
 
     # ------------------------------------------------------------------ backward propagation
-    def lower(self, target: int, rows: Tensor, shared: bool, needed: Tensor | None = None) -> Tensor:
+    def lower(self, target: int, rows: Tensor | Callable[[int, int], Tensor], shared: bool,
+              needed: Tensor | None = None, count: int | None = None) -> Tensor:
         """Lower bounds ``(B, K)`` of ``rows·z_target`` (rows ``(Bs, K, *shape)``, Bs = 1 when ``shared``).
 
-        ``needed`` (B, K): bound only these rows (the others get −inf); only with shared rows.
+        ``rows`` may be a function ``(k0, k1) -> rows k0:k1`` (shared) with ``count`` = K: the rows
+        are then built one chunk at a time. ``needed`` (B, K): bound only these rows (the others
+        get −inf); only with shared rows.
         """
         self._ensure(target)
-        b, k = self.batch, rows.shape[1]
+        b = self.batch
+        k = int(count) if callable(rows) else rows.shape[1]
+        chunk = rows if callable(rows) else (lambda k0, k1: rows[:, k0:k1])
         widest = max(self.ops[i].numel for i in self.ancestors[target])
         budget = self.max_elements
         k_chunk = max(1, min(k, budget // widest))
@@ -325,10 +406,10 @@ class BoundState:
                 b_chunk = max(1, budget // ((k1 - k0) * widest))
                 for b0 in range(0, b, b_chunk):
                     b1 = min(b, b0 + b_chunk)
-                    pending = {target: rows[b0:b1, k0:k1]}
+                    pending = {target: chunk(k0, k1)[b0:b1]}
                     result[b0:b1, k0:k1] = self._sweep(target, pending, None, set(), (b0, b1))
                 continue
-            pending, bias, done = {target: rows[:, k0:k1]}, None, set()
+            pending, bias, done = {target: chunk(k0, k1)}, None, set()
             bias = self._sweep(target, pending, bias, done, None)
             mask = None if needed is None else needed[:, k0:k1]
             # rows needed per sample: read on the host (to gather only those), or (sync-free) all of them
@@ -345,7 +426,7 @@ class BoundState:
                 if top == k1 - k0:  # every row: keep the shared coefficients
                     part = dict(pending)
                     low = self._sweep(target, part, bias, set(done), (b0, b1))
-                    if mask is not None and not self.host_sizing:  # the rows not needed, as the gather leaves them
+                    if mask is not None:  # the rows not needed, as the gather leaves them (chunking changes nothing)
                         low = torch.where(mask[b0:b1], low, torch.full_like(low, -math.inf))
                     result[b0:b1, k0:k1] = low
                 else:  # gather each sample's needed rows (needed first, padded with unneeded ones)
