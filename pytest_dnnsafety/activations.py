@@ -8,6 +8,10 @@ with N·c, never with whole feature maps. The per-channel ``min`` (with ``max``)
 the whole layer tensor of each input, which the DeepInspect activity needs (a min–max scaling per
 input over the layer, :func:`pytest_dnnsafety.engines.inspection.layer_activity`). Hooks are removed
 and the model's training mode is restored whatever happens, also when the model raises mid-pass.
+A ``torch.export`` program's module (a deployed ``.pt2``) calls no submodules, so hooks would never
+fire on it: its layers (named as in the eager model) are read from its graph's nodes instead, by a
+tapped copy of its graph run in the same single pass (:mod:`pytest_dnnsafety.export_taps`); the
+values are those the eager model's hooks see.
 
 :class:`ActivationCache` is session-wide: every gate over the same (model, data, layer) shares
 one pass, and a pass captures every layer that gates of the session are known to need
@@ -28,9 +32,10 @@ from torch import Tensor
 
 from .data import known_length
 from .errors import ConfigError, DataError, DnnSafetyError, MetricError
+from .export_taps import ACTIVATIONS_FROM, graph_layers, is_exported_module, layer_outputs, tapped_forward
 
 __all__ = ["LayerActivations", "ModelOutputs", "ActivationCache", "capture", "check_layers", "layer_names",
-           "REDUCTIONS"]
+           "activations_from", "REDUCTIONS"]
 
 #: How a multi-dimensional unit (a conv channel) becomes one number per input.
 REDUCTIONS = ("max", "mean")
@@ -117,18 +122,23 @@ class ModelOutputs:
 
 
 def layer_names(model: torch.nn.Module) -> list[str]:
+    """The names a gate's ``layer=`` may take: ``named_modules()``, or a torch.export program's graph modules."""
+    if is_exported_module(model):
+        return list(graph_layers(model).names)
     return [name for name, _ in model.named_modules() if name]
+
+
+def activations_from(model: Any) -> dict[str, str]:
+    """The evidence detail of a gate that read layers of ``model``: ``{"activations_from": "exported graph nodes"}``
+    for a torch.export program (its layers were read from the deployed graph's nodes), else nothing."""
+    return {"activations_from": ACTIVATIONS_FROM} if is_exported_module(model) else {}
 
 
 _EAGER_FIX = ("Fix: give the eager torch.nn.Module (dnnsafety_model_factory + a state dict, or a `model` fixture "
               "that builds the module and loads its weights)")
 
 
-def _is_exported(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is the module of a ``torch.export`` program (``torch.export.load(...).module()``)."""
-    return isinstance(model, torch.fx.GraphModule) and any(
-        cls.__name__ == "_StatefulGraphModule" or cls.__module__.startswith("torch.export") for cls in type(model).__mro__
-    )
+_is_exported = is_exported_module  # the older private name
 
 
 def _hookable(model: torch.nn.Module, layer: str) -> bool:
@@ -148,16 +158,16 @@ def _check_hooks_work(model: torch.nn.Module, layer: str) -> None:
             f"and hooks on its submodules never run). {_EAGER_FIX}."
         )
     if not _hookable(model, layer):
-        kind = "a torch.export program's module" if _is_exported(model) else "an fx GraphModule"
         raise ConfigError(
-            f"layer {layer!r}: layer activations need forward hooks, and {kind} never calls that layer as a "
-            f"module (its graph runs the layers' operations inline; submodules survive only as holders of "
+            f"layer {layer!r}: layer activations need forward hooks, and an fx GraphModule never calls that layer "
+            f"as a module (its graph runs the layers' operations inline; submodules survive only as holders of "
             f"weights, layers without weights not at all), so a hook on it would never fire. {_EAGER_FIX}."
         )
 
 
 def check_layers(model: Any, layers: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` unless forward hooks on ``layers`` of ``model`` work (before any pass)."""
+    """Raise :class:`ConfigError` unless ``layers`` of ``model`` can be read (hooked, or tapped in an exported
+    graph) before any pass."""
     _resolve_layers(model, layers)
 
 
@@ -171,10 +181,11 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
         return {}
     if isinstance(model, torch.jit.ScriptModule):
         _check_hooks_work(model, layers[0])
+    if is_exported_module(model):  # read from the graph's nodes (capture taps them): no modules to hook
+        layer_outputs(model, layers)
+        return {}
     modules = dict(model.named_modules())
     unknown = [layer for layer in layers if layer not in modules or not layer]
-    if unknown and _is_exported(model):
-        _check_hooks_work(model, unknown[0])  # the layer exists in the eager model; say why it is gone
     if unknown:
         available = layer_names(model)
         shown = ", ".join(available[:40]) + (", …" if len(available) > 40 else "")
@@ -226,11 +237,16 @@ def capture(
     :class:`MetricError` naming the batch, the shapes and dtypes and a fix, and the model's final
     output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
     the deferred checks and the finiteness of the captured values are read once at the end.
+
+    A ``torch.export`` program's module runs as a tapped copy of its graph
+    (:func:`~pytest_dnnsafety.export_taps.tapped_forward`): each layer's output node feeds the same
+    per-batch reductions a hook would, in the same pass; the guard checks its outputs as any model's.
     """
     from .engines.runner import Runner
-    from .outputs import eval_mode, probing
+    from .outputs import check_deterministic, eval_mode, probing
 
     modules = _resolve_layers(model, layers)
+    tapped = tapped_forward(model, list(dict.fromkeys(layers))) if layers and is_exported_module(model) else None
     if shard is None and batches is not None:
         shard = _batch_range(data, batch_size, batches)
     runner = Runner(WHAT, model=model, device=device, batch_size=batch_size, shard=shard)
@@ -269,8 +285,22 @@ def capture(
 
         return hook
 
+    def run_tapped(x: Tensor) -> Tensor:
+        """The exported program's pass with its layers' outputs handed to the hooks (the guard's checks kept)."""
+        assert tapped is not None
+        if guard.batches == 0:  # the guard's determinism probe, on the user's module (memoised on it)
+            check_deterministic(model, x, WHAT)
+        try:
+            out = tapped.run(lambda slot, value: hooks[slot](model, (), value), x)
+        except MetricError:
+            raise
+        except Exception:
+            guard(model, x)  # the program's own error, worded as for every model: it raises it again
+            raise  # only the tapping failed
+        return guard.observe(out, x)
+
     def step(batch: Any) -> None:
-        out = guard(model, batch.x)
+        out = guard(model, batch.x) if tapped is None else run_tapped(batch.x)
         if outputs is not None:
             if out.ndim == 1:  # a label-returning model
                 preds.append(out.long())
@@ -284,6 +314,7 @@ def capture(
                 labels.append(batch.y.to(out.device, non_blocking=out.device.type != "cpu"))
         sizes.append(batch.n)
 
+    hooks = [hook_for(layer) for layer in tapped.layers] if tapped is not None else []
     handles = [module.register_forward_hook(hook_for(layer)) for layer, module in modules.items()]
     try:
         with eval_mode(model), torch.no_grad():

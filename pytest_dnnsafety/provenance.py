@@ -8,7 +8,9 @@ can mutate the object):
 * :func:`fingerprint` — the object's type and a ``sha256`` over its content:
 
   - ``torch.nn.Module``: every entry of ``state_dict()`` (parameters and persistent buffers) in
-    its order: name, dtype, shape and raw bytes;
+    its order: name, dtype, shape and raw bytes; a ``torch.export`` program's module (a ``.pt2``)
+    is marked ``model_format: "torch.export program"`` and adds ``graph_digest``, a ``sha256`` of
+    its graph's code (the operations the deployed program runs, which the weights do not show);
   - data: the tensors (``x``, and ``y`` when present) of a tensor, array, ``(x, y)`` pair, dict
     with ``x``/``y``, ``TensorDataset``, or a ``DataLoader`` over a ``TensorDataset`` (the
     underlying tensors; batching and sampling order are not part of the digest); other
@@ -155,6 +157,11 @@ def _fingerprint(obj: Any) -> dict[str, Any]:
         out["digest_of"] = "parameters and buffers (state_dict order: name, dtype, shape, bytes)"
         if out["tensors"] == 0:
             out["note"] = "the module has no parameters or buffers"
+        from .export_taps import is_exported_module
+
+        if is_exported_module(obj):  # the deployed artifact itself: its graph is what runs
+            out["model_format"] = "torch.export program"
+            out["graph_digest"] = "sha256:" + hashlib.sha256(obj.code.encode()).hexdigest()
         return out
     tensors, what = _data_tensors(obj)
     if tensors is not None:

@@ -372,9 +372,7 @@ def _use_model_file(project: GateProject, files: dict[str, Path], how: str) -> s
 @pytest.mark.parametrize(("how", "name", "first"), [
     ("torchscript", "m.pt", "layer 'classifier.2': layer activations need forward hooks, which TorchScript modules "
                             "do not support"),
-    ("export", "m.pt2", "layer 'classifier.2': layer activations need forward hooks, and a torch.export program's "
-                        "module never calls that layer as a module"),
-], ids=["torchscript", "torch_export"])
+], ids=["torchscript"])
 def test_model_file_without_hookable_layers_fails_the_neuron_gates_with_the_eager_fix(
         conv_model_files: dict, gate_project: GateProject, how: str, name: str, first: str) -> None:
     project = _conv_project(gate_project, "file")
@@ -386,8 +384,12 @@ def test_model_file_without_hookable_layers_fails_the_neuron_gates_with_the_eage
     assert gates["test_conv_patterns"]["details"]["error"].startswith("layer 'features.1': layer activations need")
 
 
-def test_state_dict_with_factory_is_the_fix_and_passes(conv_model_files: dict, gate_project: GateProject) -> None:
+@pytest.mark.parametrize("how", ["state_dict", "export"])
+def test_state_dict_with_factory_is_the_fix_and_passes(conv_model_files: dict, gate_project: GateProject,
+                                                       how: str) -> None:
+    """A torch.export program passes too: its layers are read from its graph's nodes (tests/test_export_activations.py)."""
     project = _conv_project(gate_project, "file")
-    _use_model_file(project, conv_model_files, "state_dict")
-    project.ini["dnnsafety_model_factory"] = "netdef:build"
+    _use_model_file(project, conv_model_files, how)
+    if how == "state_dict":
+        project.ini["dnnsafety_model_factory"] = "netdef:build"
     project.run().assert_outcomes(passed=4)

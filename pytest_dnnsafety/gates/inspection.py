@@ -55,17 +55,21 @@ __all__ = ["MAX_CLASS_CONFUSION", "MAX_CLASS_BIAS", "pytest_dnnsafety_register_g
 
 def _check_layer(model: Any, layer: str, marker: str) -> None:
     """ConfigError naming the layer and the closest names when ``model`` has no such submodule."""
-    named = getattr(model, "named_modules", None)
-    if not callable(named):
+    from ..activations import layer_names  # a torch.export program's: its graph's modules
+    from ..export_taps import is_exported_module
+
+    if not callable(getattr(model, "named_modules", None)):
         return  # the cache names the problem (not a torch.nn.Module)
-    names = [name for name, _ in named() if name]
+    names = layer_names(model)
     if layer in names:
         return
     close = difflib.get_close_matches(layer, names, n=3, cutoff=0.5)
     hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
     shown = ", ".join(names[:40]) + (", …" if len(names) > 40 else "")
-    raise ConfigError(f"{marker}: unknown layer {layer!r}{hint}: the model has no such submodule. Fix: use a name "
-                      f"from model.named_modules(): {shown}")
+    where = ("the torch.export program's graph runs no module of that name. Fix: use a name from the exported "
+             "graph's modules (as in the eager model's named_modules())" if is_exported_module(model) else
+             "the model has no such submodule. Fix: use a name from model.named_modules()")
+    raise ConfigError(f"{marker}: unknown layer {layer!r}{hint}: {where}: {shown}")
 
 
 def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: bool) -> Any:
@@ -122,10 +126,12 @@ def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: b
     return res
 
 
-def _base_details(spec: GateSpec, res: Any, by: str) -> dict[str, Any]:
+def _base_details(spec: GateSpec, res: Any, by: str, model: Any) -> dict[str, Any]:
+    from ..activations import activations_from
+
     opts = spec.options
-    return {"layer": opts["layer"], "reduce": opts["reduce"], "unpredicted_policy": opts["unpredicted"],
-            **res.to_details(top=opts["top"], by=by)}
+    return {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(model),
+            "unpredicted_policy": opts["unpredicted"], **res.to_details(top=opts["top"], by=by)}
 
 
 def _measure_class_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
@@ -133,7 +139,7 @@ def _measure_class_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
     res = _inspect(spec, fx, ctx, bias=False)
     stat = spec.options["statistic"]
     value = res.max_confusion() if stat == "confusion" else res.confused_share()
-    details = {"statistic": stat, **_base_details(spec, res, "confusion")}
+    details = {"statistic": stat, **_base_details(spec, res, "confusion", fx["model"])}
     label = "max confusion 1 − NAPVD" if stat == "confusion" else "share of confused pairs"
     return Measurement(value=value, detail=f"layer {spec.options['layer']}, {label} {value:.4g}; {res.detail()}",
                        details=details)
@@ -143,7 +149,7 @@ def _measure_class_bias(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext)
     """Largest avg_bias over the class pairs of one layer."""
     res = _inspect(spec, fx, ctx, bias=True)
     value = res.max_bias()  # raises InspectionError (naming the fix) with fewer than three classes
-    details = _base_details(spec, res, "bias")
+    details = _base_details(spec, res, "bias", fx["model"])
     detail = f"layer {spec.options['layer']}, {res.detail(by='bias')}"
     if res.bias_no_signal is not None:  # every avg_bias 0 because no triplet counted: no evidence, not no bias
         return Measurement(value=float("nan"), detail=detail, details=details, inconclusive=res.bias_no_signal)

@@ -281,12 +281,14 @@ def _set_name(family: str, severity: int | None) -> str:
     return family if severity is None else f"{family} s{severity}"
 
 
-def _monitor_details(name: str, monitor: Any, spec: GateSpec) -> dict[str, Any]:
+def _monitor_details(name: str, monitor: Any, spec: GateSpec, model: Any) -> dict[str, Any]:
     """What the gate evaluated: the monitor's configuration, its fitted state's fingerprint and threshold."""
+    from ..activations import activations_from
     from ..provenance import monitor_state_digest
 
     return {"monitor": name, "monitor_config": monitor.config(), "monitor_threshold": monitor.threshold,
-            "monitor_state": monitor_state_digest(monitor), "fit_data": spec.fixtures["fit_data"]}
+            "monitor_state": monitor_state_digest(monitor), "fit_data": spec.fixtures["fit_data"],
+            **(activations_from(model) if monitor.layers() else {})}
 
 
 # ------------------------------------------------------------------------------------- detection
@@ -352,7 +354,8 @@ def _measure_detection(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) 
     worst = min(range(len(values)), key=values.__getitem__)
     value = values[worst] if opts["aggregate"] == "worst" else sum(values) / len(values)
     details: dict[str, Any] = {
-        **_monitor_details(name, monitor, spec), "metric": metric, "aggregate": opts["aggregate"], "faults": rows,
+        **_monitor_details(name, monitor, spec, fx["model"]), "metric": metric, "aggregate": opts["aggregate"],
+        "faults": rows,
         "worst": {"family": rows[worst]["family"], "severity": rows[worst]["severity"], metric: values[worst]},
         "fault_parameters": {f: {str(s): t for s, t in fault_parameters(f).items()
                                  if s in {r["severity"] for r in rows if r["family"] == f}}
@@ -424,7 +427,7 @@ def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
     error = torch.cat([e.to(device) for _, _, e in parts])
     pooled = system_view(alarm, error)
     per_set = {label: system_view(a, e.to(a.device)).to_dict() for label, a, e in parts}
-    details: dict[str, Any] = {**_monitor_details(name, monitor, spec), "system": pooled.to_dict(),
+    details: dict[str, Any] = {**_monitor_details(name, monitor, spec, fx["model"]), "system": pooled.to_dict(),
                                "per_set": per_set, "confidence": opts["confidence"], "gate_on": opts["gate_on"]}
     if pooled.accepted == 0:
         return Measurement(value=float("nan"), detail=f"{name} rejected all {pooled.n} inputs", details=details,
@@ -461,7 +464,7 @@ def _measure_overhead(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -
                                                     plan=(*monitor.layers(), *_bank_layers(fx["monitors"])),
                                                     shard=shard, gather=False)
     o = measure_overhead(monitor, view, repeats=spec.options["repeats"], monitor_view=scored)
-    details = {**_monitor_details(name, monitor, spec), "monitor_s_per_input": o.monitor_s_per_input,
+    details = {**_monitor_details(name, monitor, spec, fx["model"]), "monitor_s_per_input": o.monitor_s_per_input,
                "model_s_per_input": o.model_s_per_input, "ratio": o.ratio, "state_bytes": o.state_bytes,
                "repeats": o.repeats, "device": ctx.device, "inputs": view.n_inputs}
     detail = (f"{name}: {o.monitor_s_per_input * 1e6:.1f} µs per input vs the model's "

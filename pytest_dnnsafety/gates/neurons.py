@@ -26,6 +26,7 @@ __all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dn
 def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
     from .. import ranks
+    from ..activations import activations_from
     from ..engines.neurons import NeuronKActivationEngine
 
     opts = spec.options
@@ -40,13 +41,14 @@ def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: Gat
 
     engine = ranks.merged(local, shard)  # occupied cells: or; inputs: sum
     res = engine.compute()
-    details = {"layer": opts["layer"], "reduce": opts["reduce"], **res.to_details()}
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(fx["model"]), **res.to_details()}
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
 
 
 def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
     from .. import ranks
+    from ..activations import activations_from
     from ..engines.neurons import NeuronPatternEngine
     from ..scenarios import ScenarioTable
 
@@ -78,7 +80,8 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
     if opts["where"] is not None and int(engine.histogram.sum()) == 0:  # over all ranks' rows
         raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
     res = engine.compute()
-    details = {"layer": opts["layer"], "reduce": opts["reduce"], "where": opts["where"], **res.to_details()}
+    details = {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(fx["model"]),
+               "where": opts["where"], **res.to_details()}
     return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)
 
 
