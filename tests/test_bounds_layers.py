@@ -95,6 +95,7 @@ def test_relaxation_on_a_grid_of_intervals(name: str) -> None:
     _check_relaxation(name, (lo + 1e-7).float(), (lo + 3e-7).float(), points=11)  # degenerate widths
 
 
+@pytest.mark.slow
 def test_relaxation_on_extreme_intervals() -> None:
     """Saturated, huge, tiny and denormal-width intervals: still enclosed, every coefficient finite."""
     lo = torch.tensor([[-80.0, -50, 30, -1000, -1e4, 5, -0.1, -40, 1e-30, -3e-8]], dtype=torch.float64)
