@@ -30,7 +30,7 @@ from conftest import GateProject
 from pytest_dnnsafety import Mahalanobis
 from pytest_dnnsafety.activations import ActivationCache, capture, layer_names
 from pytest_dnnsafety.config import SETTINGS, Settings
-from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.export_taps import graph_layers, is_exported_module
 from pytest_dnnsafety.gates import evaluate, parse_marker
 from pytest_dnnsafety.loading import load_model
@@ -243,6 +243,22 @@ def test_a_module_returning_a_tuple_or_called_twice_is_refused(tuple_net: tuple[
     eager, _ = tuple_net  # the layers that have one output still work, and equal the eager hooks
     want, got = capture(eager, _data(), ["fc", "out"]), capture(exported, _data(), ["fc", "out"])
     assert all(torch.equal(want[k].max, got[k].max) for k in ("fc", "out"))
+
+
+def test_a_fixed_batch_program_fails_the_tapped_pass_as_the_plain_one(tmp_path: Path) -> None:
+    """The tapped pass reports the program's own error, worded as for any model (here: the exported batch size)."""
+    fixed = torch.export.export(_TupleNet().eval(), (torch.rand(4, 4),))
+    torch.export.save(fixed, str(tmp_path / "fixed.pt2"))
+    module = load_model(_settings(tmp_path, model="fixed.pt2"), CPU)
+    messages = []
+    for layers in ([], ["fc"]):
+        with pytest.raises(MetricError) as info:
+            capture(module, _data(), layers, batch_size=8)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert "the model raised AssertionError on batch 0 (inputs of shape (8, 4)" in messages[1]
+    assert "export it with a dynamic batch dimension" in messages[1]
+    assert capture(module, _data(), ["fc"], batch_size=4)["fc"].max.shape == (20, 6)
 
 
 def test_the_users_module_is_unchanged_by_capture(case: Case) -> None:
