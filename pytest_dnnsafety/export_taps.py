@@ -225,8 +225,10 @@ def tapped_forward(model: torch.fx.GraphModule, layers: Sequence[str]) -> Tapped
     key = (model.code, tuple(layers))
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
-        for stale in [k for k in compiled if k[0] != key[0]][:] + list(compiled)[:max(0, len(compiled) - 7)]:
-            compiled.pop(stale, None)  # an edited graph's copies, and all but the latest few sets of layers
+        if any(k[0] != key[0] for k in compiled):  # the graph was edited: its old copies are stale
+            compiled.clear()
+        while len(compiled) >= 8:  # keep the latest few sets of layers
+            compiled.pop(next(iter(compiled)))
         compiled[key] = _compile(model, key[1])
     forward, tag = compiled[key]
     return TappedForward(model, key[1], forward, tag)
