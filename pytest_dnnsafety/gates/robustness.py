@@ -154,6 +154,7 @@ def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
 
 def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
+    from ..engines.robustness.bounds_export import bounds_model_note
     from ..engines.robustness.verification import verify_robustness
     from ..outputs import eval_mode
 
@@ -168,7 +169,11 @@ def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -
     values = (float(opts["eps"]), opts["method"], _clip(opts), opts["attack_steps"], ctx.seed, ctx.batch_size,
               ctx.device)
     result = ctx.memo("robustness.verified", (fx["model"], fx["data"]), values, measure)
-    return Measurement(value=result.verified_share, detail=result.detail(), details=result.to_details())
+    details = result.to_details()
+    note = bounds_model_note(fx["model"])  # a torch.export program: the bounds are its translated ATen graph's
+    if note:
+        details["bounds_model"] = note
+    return Measurement(value=result.verified_share, detail=result.detail(), details=details)
 
 
 # ------------------------------------------------------------------------------------- marker keywords

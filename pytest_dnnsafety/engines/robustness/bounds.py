@@ -138,6 +138,9 @@ class BoundedModel:
     """
 
     def __init__(self, model: nn.Module, *, max_elements: int = 1 << 24) -> None:
+        from .bounds_export import is_exported, translate_export  # a torch.export program (.pt2): its ATen graph
+        if is_exported(model):  # translated into the modules below, holding the program's own tensors
+            model = translate_export(model, UnsupportedLayerError)
         if isinstance(model, torch.jit.ScriptModule):
             raise _unsupported(f"the model ({type(model).__name__}) is a TorchScript module, which",
                                "cannot be traced", "Fix: pass the original eager nn.Module (or load it with a "

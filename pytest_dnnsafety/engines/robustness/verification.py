@@ -273,6 +273,7 @@ def verify_robustness(
     bounds cannot handle; :class:`MetricError` when the model fails or returns NaN/inf.
     """
     from .bounds import BoundedModel, input_box, outside_clip, outside_clip_error
+    from .bounds_export import export_mismatch
 
     eps = _check_eps(eps)
     method = _check_method(method)
@@ -317,6 +318,12 @@ def verify_robustness(
         if clip is not None:
             valid &= ((x >= clip[0]) & (x <= clip[1])).flatten(1).all(dim=1)
         lo, hi = input_box(x, eps, clip, check=False)
+        mismatch = export_mismatch(bounded.model, x, logits)  # a .pt2: its translated graph must give its logits
+        if mismatch is not None:
+            runner.flag("export", valid & mismatch, batch, "certified robustness: on batch {first} the translated graph "
+                        "of the torch.export program computes other logits than the program, so its bounds would not "
+                        "be about the artifact. Fix: please report this with the program; meanwhile use the "
+                        "attack-based robustness gates.")
         margins = bounded.margin_lower_bounds(lo, hi, y, method, check=False)
         clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
         runner.flag("unsound", valid[:, None] & torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs())),
