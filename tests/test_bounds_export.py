@@ -104,6 +104,35 @@ def test_decomposed_program_and_tensor_constants(tmp_path: Path) -> None:
     _assert_same_bounds(const, _save_and_load(const, z[:2], tmp_path / "const.pt2"), z, 0.05)
 
 
+class _SharedConv(nn.Module):
+    """One conv called twice (two ATen nodes, one module path), padding="same", arithmetic around a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding="same", bias=False)
+        self.bn = nn.BatchNorm2d(2)
+        self.fc = nn.Linear(72, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        h = 2 * (self.bn(self.conv(h) + h) - 0.5) / 3
+        return self.fc(h.view(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["aten", "core-aten"])
+def test_a_layer_called_twice(tmp_path: Path, decompose: bool) -> None:
+    torch.manual_seed(0)
+    model = _SharedConv().eval()
+    model.bn.running_mean.uniform_()
+    model.bn.running_var.uniform_(0.5, 2)
+    x = torch.rand(8, 2, 6, 6)
+    exported = _save_and_load(model, x[:2], tmp_path / "shared.pt2", decompose)
+    translated = BoundedModel(exported).model
+    convs = [m for m in translated.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 2 and convs[0].weight is convs[1].weight is exported.get_parameter("conv.weight")
+    _assert_same_bounds(model, exported, x, 0.01)
+
+
 @pytest.mark.slow
 def test_resnet18_bounds_equal_the_eager_models(tmp_path: Path) -> None:
     """Residual blocks, BatchNorm with non-trivial running statistics, adaptive pooling (ResNet-18 style)."""

@@ -65,15 +65,10 @@ _EAGER_NAMES = {"layer_norm": "LayerNorm", "native_layer_norm": "LayerNorm", "gr
 class ExportTranslation(fx.GraphModule):
     """The eager-equivalent GraphModule of a ``torch.export`` program (see the module docstring).
 
-    ``aten_nodes``: the program's ATen operation nodes it was translated from; ``note``: the one-line
-    description the gate records as ``bounds_model``.
+    ``aten_nodes``: the program's ATen operation nodes it was translated from.
     """
 
     aten_nodes: int = 0
-
-    @property
-    def note(self) -> str:
-        return _note(self.aten_nodes)
 
 
 def _note(count: int) -> str:
