@@ -140,7 +140,7 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
     "quantification": ("tiny", ["min_safe_radius(0.0, d=0.05, iterations=3, starts=1, ascent_starts=1, "
                                  "ascent_steps=2, certified_steps=3)"]),
     "pmi": ("pmi", ["max_pmi_ub(1.0, cells='balls', norm='linf', radius=0.02, clip=(0, 1), samples_per_cell=150, "
-                    "bootstrap=0)"]),
+                    "bootstrap=0, profile='pmi_data')"]),
 }
 
 #: Families whose gates read no model (min_scene_coverage reads the scenario table and the data's length).
@@ -272,8 +272,8 @@ def _operational():
 
 @pytest.fixture(scope="session")
 def pmi_data():
-    """The labelled operational images: max_pmi_ub puts a ball around each, so it holds them whole by design."""
-    return torch.utils.data.TensorDataset(*_operational())
+    """The labelled operational images, streamed: max_pmi_ub (cells='balls') puts a ball around each, read in passes."""
+    return _loader(60, seed=2, tag="pmi")
 
 
 @pytest.fixture(scope="session")

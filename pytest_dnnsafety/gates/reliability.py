@@ -23,25 +23,34 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     aggregates the same counts: the single-process result, with the Monte Carlo — the bulk of the
     work — divided by the number of ranks. Only rank 0 writes ``cells_file``.
 
-    The labelled data (``dataset``) are read whole, on every rank, and not sharded: the method
-    needs all labelled points at once — ``r̂`` is the smallest distance between differently
-    labelled points (r-separation), and each cell's type and label come from the labelled points
-    inside it. Only their inputs ``x`` and labels ``y`` are kept (one tensor pair; a float
-    ``TensorDataset``'s own tensors are used as they are, a ``DataLoader`` is read once into it),
-    never a second copy. Nothing in this gate only counts the labelled data, so there is no
-    streamed read to use instead.
+    Grid cells: the labelled data (``dataset``) are read whole, on every rank, and not sharded:
+    ``r̂`` is the smallest distance between differently labelled points (r-separation), and each
+    cell's type and label come from the labelled points inside it. Only their inputs ``x`` and
+    labels ``y`` are kept (one tensor pair; a float ``TensorDataset``'s own tensors are used as
+    they are, a ``DataLoader`` is read once into it), never a second copy.
+
+    Ball cells (``cells="balls"``): a ``DataLoader`` of labelled data — and an operational profile
+    given as a ``DataLoader`` of inputs — is streamed instead, never held whole
+    (:mod:`~pytest_dnnsafety.engines.reliability.streamed`): the pairwise work (r̂, ball types) runs
+    as block nested loops over repeated passes, and per input only its label and the model's
+    prediction are kept. The numbers are those of the same data held.
     """
     import time
 
     from .. import ranks
     from ..engines.reliability import ReliabilityAssessor
     from ..engines.reliability.allocation import QueryCapError
+    from torch.utils.data import DataLoader
+
     from ..loading import as_tensors
 
     opts = dict(spec.options)
-    # whole, not sharded: r-separation and the cell labels need every labelled point (see the docstring)
-    labelled = as_tensors(fx["data"], f"labelled data (fixture {spec.fixtures['data']!r})")
-    if labelled[1] is None:
+    data = fx["data"]
+    if opts.get("cells") == "balls" and isinstance(data, DataLoader):
+        labelled: Any = data  # streamed by the engine: read in passes, never held whole (see the docstring)
+    else:  # whole, not sharded: r-separation and the cell labels need every labelled point
+        labelled = as_tensors(data, f"labelled data (fixture {spec.fixtures['data']!r})")
+    if isinstance(labelled, tuple) and labelled[1] is None:
         raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "
                           "for r-separation and cell labels. Fix: provide (x, y)")
     # Only what the user set reaches the engine (its defaults equal the marker's); grid-only and

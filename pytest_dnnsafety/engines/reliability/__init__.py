@@ -18,6 +18,14 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   centre of one cell ``B(x_j, ε)`` under ``norm`` (L∞ or L2). Op_j = 1/M (the empirical
   profile); cell types from the labelled points inside each closed ball, exactly as for grid
   cells. See :func:`assess_reliability` for the details.
+* **Ball cells at image scale** — the Monte Carlo stream of images is cut into blocks of at most
+  :data:`~pytest_dnnsafety.engines.reliability.sampler.BLOCK_ELEMS` values (1,024 samples of
+  3×32×32, 16 of 3×224×224; up to 1,024 values per input the blocks, hence the samples, are those
+  of earlier releases), ``batch_size="auto"`` batches about 32 MiB of inputs on a CPU, and each
+  batch computes its balls' corners from their centres (no table of ``balls × d`` corners). The
+  centres and the labelled points may be ``DataLoader`` s
+  (:mod:`~pytest_dnnsafety.engines.reliability.streamed`): read in passes (r̂ and the ball types
+  by block nested loops), never held whole, with the numbers of the same data held.
 * **Op_i** — KDE masses (:class:`~pytest_dnnsafety.profile.OperationalProfile`): the paper's
   centre approximation (eq. 9; ``mass="centre"``, also spelt ``"center"``) or the exact box
   integral, normalised over the box, with a bootstrap variance over ``B`` refits (eq. 11,
@@ -146,11 +154,12 @@ from pytest_dnnsafety.engines.reliability.result import (
     ReliabilityResult,
     _num,
 )
-from pytest_dnnsafety.engines.reliability.sampler import _MIX, BLOCK, _mix
+from pytest_dnnsafety.engines.reliability.sampler import _MIX, BLOCK, BLOCK_ELEMS, _mix, block_size
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 
 __all__ = [
     "BLOCK",
+    "BLOCK_ELEMS",
     "CELL_TYPES",
     "DEFAULT_MAX_QUERIES",
     "EMPTY",
@@ -170,6 +179,7 @@ __all__ = [
     "ReliabilityResult",
     "ReliabilityWarning",
     "assess_reliability",
+    "block_size",
     "closest_opposite_pair",
     "nearest_labels",
     "r_separation",

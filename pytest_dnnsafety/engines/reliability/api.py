@@ -34,7 +34,9 @@ def assess_reliability(
         profile: an :class:`~pytest_dnnsafety.profile.OperationalProfile`, or raw operational
             data ``(N, d)`` to build one from (with ``bandwidth``).
         labelled: ``(x, y)`` labelled inputs (input space; encoded when the profile is latent):
-            they give ``r̂`` and the labels of normal/cross-boundary cells.
+            they give ``r̂`` and the labels of normal/cross-boundary cells. With ``cells="balls"``
+            also a ``DataLoader`` of ``(x, y)`` batches in index order, streamed (never held whole;
+            :mod:`~pytest_dnnsafety.engines.reliability.streamed`).
         eps: cell side (number, or one per dimension), or ``"auto"`` — the largest even split of
             the box with side below ``eps_fraction · r̂``.
         box: ``(lower, upper)`` corners of the gridded domain (profile space). Default ``None``: the
@@ -103,8 +105,9 @@ def assess_reliability(
         posterior_draws: Monte Carlo draws for ``"jeffreys"``.
         seed: seeds the bootstrap, the cell samples and the posterior draws.
         device: where sampling and model calls happen (default: the profile's device).
-        batch_size: model batch (rounded to blocks of :data:`BLOCK` samples) or ``"auto"`` (timed
-            on the first batches; results do not depend on it).
+        batch_size: model batch (rounded to blocks of :data:`BLOCK` samples; ball cells of more
+            than 1,024 values per input use smaller blocks, :func:`block_size`) or ``"auto"`` (timed
+            on the first batches, about 32 MiB of image inputs on a CPU; results do not depend on it).
         input_dtype: dtype of the model inputs.
         cells: ``"grid"`` (default; the arguments above) or ``"balls"`` — norm-ball cells around
             the operational inputs (Zhao et al. 2021, §IV: "cells … are norm balls around operational
@@ -113,7 +116,11 @@ def assess_reliability(
             * ``profile`` gives the centres: raw operational inputs ``(N, *input_shape)`` (images
               are fine: no KDE is fitted) or an :class:`OperationalProfile` *without* an encoder
               (its data are the inputs). A latent profile holds only encodings: a
-              :class:`ConfigError` asks for the raw inputs. Each of the ``M`` centres ``x_j`` is
+              :class:`ConfigError` asks for the raw inputs. Or a ``DataLoader`` of inputs (``x`` or
+              ``(x, y)`` batches, in index order): read in passes, never held whole — ``r̂`` and the
+              ball types by block nested loops over the labelled data, the samples' centres through
+              a window in ball order (:mod:`~pytest_dnnsafety.engines.reliability.streamed`; the
+              same numbers as the data held; the cell table then lists no corners). Each of the ``M`` centres ``x_j`` is
               the centre of one cell ``B(x_j, ε) = {x : ‖x − x_j‖ ≤ ε}`` in input space.
             * ``Op_j = 1/M`` — the empirical operational profile (no KDE). With ``bootstrap ≥ 2``
               the OP uncertainty is the bootstrap of the operational sample: replicate ``b``

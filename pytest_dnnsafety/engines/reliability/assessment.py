@@ -47,6 +47,7 @@ from pytest_dnnsafety.engines.reliability.result import (
     ReliabilityResult,
 )
 from pytest_dnnsafety.engines.reliability.sampler import MonteCarloSampler
+from pytest_dnnsafety.engines.reliability.streamed import StreamedBalls
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.profile import BOOTSTRAP_SIZES, OperationalProfile, canonical_mass
@@ -57,7 +58,7 @@ from pytest_dnnsafety.profile import BOOTSTRAP_SIZES, OperationalProfile, canoni
 EMPTY_CELL_LABELS: tuple[str, ...] = ("model", "nearest")
 
 
-class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
+class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAggregator):
     """Plans, samples and aggregates one reliability assessment (the steps of :func:`assess_reliability`).
 
     Construction does the model-independent work: the grid (or, with ``cells="balls"``, the
@@ -124,6 +125,7 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
         self.labelled_from_profile = bool(labelled_from_profile)
         self.accept_violated_assumptions = bool(accept_violated_assumptions)
         self._x_lab_raw: Tensor | None = None
+        self._lab_source: Any = None  # streamed labelled data (cells="balls" from a DataLoader)
         self._lab_pred = None
         self.labelled_queries = 0
         self.confidence = stats.check_confidence(confidence)
@@ -380,10 +382,13 @@ class ReliabilityAssessor(CellPlanner, MonteCarloSampler, BoundAggregator):
                               failures_all.to(torch.float64) / trials_all.clamp_min(1).to(torch.float64))
         if self.cell_kind == "balls":
             assert self.radius is not None
-            centres = self._centres.cpu()
-            lo, hi = centres - self.radius, centres + self.radius
-            if self.clip is not None:
-                lo, hi = lo.clamp_min(self.clip[0]), hi.clamp_max(self.clip[1])
+            if self._centres is None:  # streamed centres: no corners (the flat index names the input)
+                lo = hi = torch.empty(count, 0, dtype=torch.float64)
+            else:
+                centres = self._centres.cpu()
+                lo, hi = centres - self.radius, centres + self.radius
+                if self.clip is not None:
+                    lo, hi = lo.clamp_min(self.clip[0]), hi.clamp_max(self.clip[1])
         else:
             lo, hi = self.grid.bounds(self._flat.cpu())
         table = CellTable(flat=self._flat.cpu(), lower=lo, upper=hi, op=op, op_var=op_var, cell_type=types,

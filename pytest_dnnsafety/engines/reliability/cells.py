@@ -236,3 +236,11 @@ def nearest_labels(points: Tensor, lab_points: Tensor, lab_labels: Tensor, *,
         nearest = torch.addmm(lab_sq, block, lab_t, alpha=-2.0).argmin(1)
         out[start : start + chunk] = labels[nearest].to(out.device)
     return out
+
+
+def ball_types(present: Tensor) -> tuple[Tensor, Tensor]:
+    """Types and labels of balls from the classes present in each ``(c, K)`` (bool): one class — normal, its
+    label; several — cross-boundary; none — empty (label -1, voted or nearest later)."""
+    distinct = present.sum(1)
+    types = torch.where(distinct > 1, CROSS, torch.where(distinct == 1, NORMAL, EMPTY))
+    return types, torch.where(distinct == 1, present.to(torch.int8).argmax(1), -1)

@@ -28,10 +28,12 @@ from pytest_dnnsafety.engines.reliability.cells import (
     ReliabilityWarning,
     _ball_distances,
     _float_tuple,
+    ball_types,
     nearest_labels,
     r_separation,
 )
 from pytest_dnnsafety.engines.reliability.sampler import _mix
+from pytest_dnnsafety.engines.reliability.streamed import is_streamed
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.profile import OperationalProfile, as_tensor_2d
 
@@ -88,6 +90,10 @@ class CellPlanner:
         if self.mass_target < 1.0 or self.max_cells is not None:
             raise ConfigError("mass_target/max_cells pick grid cells by OP mass, but every ball carries the same mass "
                               "1/M. Fix: use max_balls to evaluate a seeded subsample of the operational inputs")
+        if is_streamed(profile) or is_streamed(labelled):  # read batch by batch, never held whole
+            self._init_balls_streamed(profile, labelled, radius=radius, eps_fraction=eps_fraction,
+                                      max_balls=max_balls, clip=clip, device=device)
+            return
         # ---- centres: the raw operational inputs (input space)
         if isinstance(profile, OperationalProfile):
             # a latent profile keeps its raw inputs (profile.inputs): the balls live in input space
@@ -123,11 +129,7 @@ class CellPlanner:
         m = int(flat.shape[0])
         # ---- valid input range
         if clip is not None:
-            if not isinstance(clip, (tuple, list)) or len(clip) != 2:
-                raise ConfigError(f"clip must be a pair (lo, hi) of the valid input range, e.g. (0, 1), got {clip!r}")
-            lo_c, hi_c = _float_tuple(clip, 2, "clip")
-            if not lo_c < hi_c:
-                raise ConfigError(f"clip: lo {lo_c} must be below hi {hi_c}")
+            lo_c, hi_c = self._check_clip(clip)
             outside = ((centres_all < lo_c) | (centres_all > hi_c)).any(1)
             if bool(outside.any()):
                 row = int(torch.nonzero(outside)[0, 0])
@@ -151,7 +153,48 @@ class CellPlanner:
             z_lab, y_lab = None, None
             self.r_hat = float("nan")
         self._z_lab, self._y_lab = z_lab, y_lab
-        # ---- radius
+        span = (torch.full((d,), hi_c - lo_c, dtype=torch.float64) if self.clip is not None
+                else (centres_all.max(0).values - centres_all.min(0).values).cpu()) if self._needs_span(radius) else None
+        value = self._ball_radius(radius, eps_fraction, span)
+        op = self._ball_op(m, flat)
+        # ---- types: labelled points inside each (closed) ball, chunked distance matrices
+        types = torch.full((m,), EMPTY, dtype=torch.int64, device=self.device)
+        labels = torch.full((m,), -1, dtype=torch.int64, device=self.device)
+        if z_lab is not None and y_lab is not None and y_lab.numel():
+            n_lab = int(z_lab.shape[0])
+            onehot = torch.nn.functional.one_hot(y_lab, int(y_lab.max()) + 1).to(torch.float64)
+            chunk = max(1, min(_CHUNK_ELEMS // n_lab, 4 * _CHUNK_ELEMS // (n_lab * d)))
+            for start in range(0, m, chunk):
+                stop = min(m, start + chunk)
+                inside = (_ball_distances(centres[start:stop], z_lab, self.norm) <= value).to(torch.float64)
+                present = (inside @ onehot) > 0  # (c, K): classes with a labelled point in the ball
+                types[start:stop], labels[start:stop] = ball_types(present)
+        if self.empty_cell_label == "nearest":
+            labels = self._label_empty_by_nearest(types, labels, centres)
+        self._types, self._labels = types, labels
+        # ---- samples
+        self._allocate(op, types)
+        # the sampler computes each batch's ball corners from the centres it touches (no cells × d table)
+        self._centres = centres
+        self._centre_absmax = float(centres.abs().max()) if centres.numel() else 0.0
+        self._sample_dim = d
+        self._input_shape = input_shape
+
+    @staticmethod
+    def _check_clip(clip: Any) -> tuple[float, float]:
+        if not isinstance(clip, (tuple, list)) or len(clip) != 2:
+            raise ConfigError(f"clip must be a pair (lo, hi) of the valid input range, e.g. (0, 1), got {clip!r}")
+        lo_c, hi_c = _float_tuple(clip, 2, "clip")
+        if not lo_c < hi_c:
+            raise ConfigError(f"clip: lo {lo_c} must be below hi {hi_c}")
+        return lo_c, hi_c
+
+    @staticmethod
+    def _needs_span(radius: Any) -> bool:
+        return radius is None or (isinstance(radius, str) and radius == "auto")
+
+    def _ball_radius(self, radius: Any, eps_fraction: Any, span: Tensor | None) -> float:
+        """The ball radius: given, or ``min(eps_fraction · r̂, cap)`` below r̂ (``span``: the data's range per value)."""
         if radius is None or (isinstance(radius, str) and radius == "auto"):
             if not math.isfinite(self.r_hat):
                 raise ConfigError(
@@ -162,8 +205,7 @@ class CellPlanner:
                 raise ConfigError("r̂ is 0: two labelled points of different classes coincide; give radius")
             if isinstance(eps_fraction, bool) or not isinstance(eps_fraction, (int, float)) or eps_fraction <= 0:
                 raise ConfigError(f"eps_fraction must be a positive number, got {eps_fraction!r}")
-            span = (torch.full((d,), hi_c - lo_c, dtype=torch.float64) if self.clip is not None
-                    else (centres_all.max(0).values - centres_all.min(0).values).cpu())
+            assert span is not None
             diameter = float(span.max()) if self.norm == "linf" else float(span.norm())
             cap = AUTO_RADIUS_CAP * diameter if diameter > 0 else math.inf
             value = min(math.nextafter(float(eps_fraction) * self.r_hat, 0.0), cap)
@@ -179,9 +221,12 @@ class CellPlanner:
                 f"ball radius {value:.6g} ≥ r̂={self.r_hat:.6g} ({NORMS[self.norm]}): balls may contain inputs of "
                 f"different ground-truth classes (Assumption 4). Use radius='auto' or a smaller radius",
                 ReliabilityWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        # ---- empirical OP: 1/M per ball; multinomial (bootstrap) uncertainty
+        return value
+
+    def _ball_op(self, m: int, flat: Tensor) -> Tensor:
+        """Empirical OP ``1/M`` per ball and its multinomial (bootstrap) uncertainty; sets the mass fields."""
         op = torch.full((m,), 1.0 / m, dtype=torch.float64)
         if self.bootstrap >= 2:
             gen = torch.Generator().manual_seed(int(self.seed))
@@ -195,36 +240,7 @@ class CellPlanner:
             reps, rest_reps, op_var = None, None, torch.zeros(m, dtype=torch.float64)
         self.rest, self.mass_evaluated, self.labelled_outside_box = 0.0, 1.0, 0
         self._flat, self._op, self._op_var, self._reps, self._rest_reps = flat, op, op_var, reps, rest_reps
-        # ---- types: labelled points inside each (closed) ball, chunked distance matrices
-        types = torch.full((m,), EMPTY, dtype=torch.int64, device=self.device)
-        labels = torch.full((m,), -1, dtype=torch.int64, device=self.device)
-        if z_lab is not None and y_lab is not None and y_lab.numel():
-            n_lab = int(z_lab.shape[0])
-            onehot = torch.nn.functional.one_hot(y_lab, int(y_lab.max()) + 1).to(torch.float64)
-            chunk = max(1, min(_CHUNK_ELEMS // n_lab, 4 * _CHUNK_ELEMS // (n_lab * d)))
-            for start in range(0, m, chunk):
-                stop = min(m, start + chunk)
-                inside = (_ball_distances(centres[start:stop], z_lab, self.norm) <= value).to(torch.float64)
-                present = (inside @ onehot) > 0  # (c, K): classes with a labelled point in the ball
-                distinct = present.sum(1)
-                types[start:stop] = torch.where(distinct > 1, CROSS, torch.where(distinct == 1, NORMAL, EMPTY))
-                labels[start:stop] = torch.where(distinct == 1, present.to(torch.int8).argmax(1), -1)
-        if self.empty_cell_label == "nearest":
-            labels = self._label_empty_by_nearest(types, labels, centres)
-        self._types, self._labels = types, labels
-        # ---- samples
-        self._allocate(op, types)
-        c = centres[self._sampled.to(self.device)]
-        if self.norm == "linf":  # the ball (∩ clip) is a box: uniform in it, exactly
-            lo, hi = c - value, c + value
-            if self.clip is not None:
-                lo, hi = lo.clamp_min(self.clip[0]), hi.clamp_max(self.clip[1])
-            self._sample_lower, self._sample_width = lo, hi - lo
-        else:  # L2: centre, zero width (samples are centre + radius · direction)
-            self._sample_lower, self._sample_width = c, torch.zeros_like(c)
-        self._centres = centres
-        self._sample_dim = d
-        self._input_shape = input_shape
+        return op
 
     def _label_empty_by_nearest(self, types: Tensor, labels: Tensor, centres: Tensor,
                                 empty: Tensor | None = None) -> Tensor:
@@ -331,6 +347,12 @@ class CellPlanner:
             ReliabilityWarning,
             stacklevel=4,
         )
+
+    def _centre_rows(self, lo: int, hi: int) -> Tensor:
+        """Centres ``(hi - lo, d)`` of the sampled balls ``lo..hi-1`` (in sampling order)."""
+        if self._centres is None:  # streamed: a window over the centre loader
+            return self._window(lo, hi)
+        return self._centres[self._sampled[lo:hi].to(self._centres.device)]
 
     def _to_input(self, z: Tensor) -> Tensor:
         """Sampled points ``(B, d)`` → model inputs (decoded for latent grids, reshaped for balls)."""

@@ -26,6 +26,31 @@ from pytest_dnnsafety.errors import ConfigError, DataError
 #: Samples per random block: each block of the (cell, sample) stream has its own generator.
 BLOCK = 4096
 
+#: Ball cells in many dimensions (images) cut the stream into smaller blocks: at most this many input
+#: values per block (a power of two of samples, at most :data:`BLOCK`; 16 MiB of float32). Up to 1,024
+#: dimensions a block is :data:`BLOCK` samples, as for grids; a 3×32×32 image gets 1,024 samples per
+#: block and a 3×224×224 image 16, so a model batch of images need not hold thousands of them.
+BLOCK_ELEMS = 1 << 22
+
+#: ``batch_size="auto"`` for ball cells: the first model batch holds about this many input values
+#: (32 MiB of float32 on a CPU; 16× that on an accelerator), in whole blocks — on a CPU 2,048 images of
+#: 3×32×32 (two blocks), 48 of 3×224×224 (three blocks).
+BALL_BATCH_ELEMS = 1 << 23
+
+#: Ball cells: a batch touching at most this many cells (or at least :data:`SEGMENT_MIN` samples per
+#: touched cell on average) shifts and scales its samples in place, one cell's slice at a time (no
+#: gathered ``(B, d)`` copy of the corners); otherwise the touched corners are gathered to its rows.
+SEGMENT_RUNS = 256
+SEGMENT_MIN = 64
+
+
+def block_size(cell_kind: str, dim: int) -> int:
+    """Samples per random block: :data:`BLOCK`, or for ball cells of ``dim`` values the largest power of two
+    with ``block · dim ≤`` :data:`BLOCK_ELEMS` (at least 1, at most :data:`BLOCK`)."""
+    if cell_kind != "balls":
+        return BLOCK
+    return min(BLOCK, 1 << max(0, (BLOCK_ELEMS // max(1, dim)).bit_length() - 1))
+
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -48,31 +73,38 @@ class MonteCarloSampler:
         """An empty :class:`CellTallyEngine` sized for this plan."""
         return CellTallyEngine(self.n_sampled_cells, num_classes, device=self.device)
 
+    @property
+    def _block(self) -> int:
+        return block_size(self.cell_kind, self._sample_dim)
+
     def _sample_dtype(self) -> torch.dtype:
         if self.cell_kind == "balls":
             assert self.radius is not None
-            span = float(self._centres.abs().max()) + self.radius if self._centres.numel() else 1.0
+            span = self._centre_absmax + self.radius
             return torch.float64 if span / self.radius > 2**16 else torch.float32
         span = max(max(abs(v) for v in self.grid.lower), max(abs(v) for v in self.grid.upper))
         return torch.float64 if span / min(self.grid.eps) > 2**16 else torch.float32
 
-    def _batch_inputs(self, first: int, last: int, dtype: torch.dtype, corners: Tensor
+    def _batch_inputs(self, first: int, last: int, dtype: torch.dtype, corners: Tensor | None
                       ) -> tuple[Tensor, Tensor, tuple[int, int]]:
         """Cells (relative to the touched range), latent inputs and the touched cell range ``[lo, hi)`` of blocks
         ``first..last - 1``.
 
         Each block draws its uniforms from its own generator seeded by ``(seed, block)``, so a
-        sample does not depend on which batch or worker processes its block.
+        sample does not depend on which batch or worker processes its block. Grid cells take their
+        corners from ``corners`` ``(C, 2d)``; ball cells compute theirs from the touched centres
+        only (:meth:`_ball_corners`), so nothing of size ``cells × d`` is held.
         """
-        start, stop = first * BLOCK, min(self.total_samples, last * BLOCK)
+        size = self._block
+        start, stop = first * size, min(self.total_samples, last * size)
         d = self._sample_dim
         l2 = self.cell_kind == "balls" and self.norm == "l2"
         u = torch.empty(stop - start, d, dtype=dtype, device=self.device)
         rad = torch.empty(stop - start, 1, dtype=dtype, device=self.device) if l2 else None
         gen = self._generator
         for block in range(first, last):
-            lo = block * BLOCK - start
-            hi = min(stop - start, lo + BLOCK)
+            lo = block * size - start
+            hi = min(stop - start, lo + size)
             gen.manual_seed(_mix(self._stream_seed, block))
             if rad is not None:  # L2 ball: Gaussian direction, then the radius quantile
                 torch.randn(hi - lo, d, generator=gen, dtype=dtype, device=self.device, out=u[lo:hi])
@@ -92,21 +124,66 @@ class MonteCarloSampler:
             hi = int(torch.searchsorted(ends, torch.tensor(stop - 1), right=True)) + 1
             cell_ends = ends[lo:hi]
             cell_starts = cell_ends - self._trials[lo:hi]
-        # host-built counts: an asynchronous copy (pageable source, consumed before the call returns)
-        reps = (cell_ends.clamp_max(stop) - cell_starts.clamp_min(start)).to(self.device, non_blocking=True)
+        counts = cell_ends.clamp_max(stop) - cell_starts.clamp_min(start)  # host-built, per touched cell
+        # an asynchronous copy (pageable source, consumed before the call returns)
+        reps = counts.to(self.device, non_blocking=True)
         count = stop - start
         local = torch.arange(hi - lo, device=self.device).repeat_interleave(reps, output_size=count)
-        picked = corners[lo:hi].repeat_interleave(reps, dim=0, output_size=count)  # (B, 2d): lower | width
+        if self.cell_kind == "balls":
+            lower, width = self._ball_corners(lo, hi, dtype)  # (hi - lo, d) each
+            if hi - lo <= SEGMENT_RUNS or count >= SEGMENT_MIN * (hi - lo):  # in place, slice by slice
+                lower_rows = width_rows = None
+            else:  # advanced indexing (CPU index_select is many times slower on wide rows)
+                lower_rows, width_rows = lower[local], None if l2 else width[local]
+        else:
+            assert corners is not None
+            picked = corners[lo:hi].repeat_interleave(reps, dim=0, output_size=count)  # (B, 2d): lower | width
+            lower_rows, width_rows = picked[:, :d], picked[:, d:]
         if rad is not None:  # uniform in the L2 ball: centre + ε · U^{1/d} · g/‖g‖
             assert self.radius is not None
             scale = rad.pow_(1.0 / d).mul_(self.radius).div_(torch.linalg.vector_norm(u, dim=1, keepdim=True)
                                                              .clamp_min(torch.finfo(dtype).tiny))
-            z = u.mul_(scale).add_(picked[:, :d])
+            u.mul_(scale)
+        if lower_rows is None:
+            pos = 0
+            for j, run in enumerate(counts.tolist()):  # host list: no device sync
+                if rad is None:
+                    u[pos : pos + run].mul_(width[j])
+                u[pos : pos + run].add_(lower[j])
+                pos += run
+            z = u
+        elif rad is not None:
+            z = u.add_(lower_rows)
         else:
-            z = u.mul_(picked[:, d:]).add_(picked[:, :d])
+            z = u.mul_(width_rows).add_(lower_rows)
         if self.clip is not None:  # exact for L∞ (the sampled box is already clipped; guards rounding)
             z = z.clamp_(self.clip[0], self.clip[1])
         return local, z, (lo, hi)
+
+    def _ball_corners(self, lo: int, hi: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Lower corners and widths ``(hi - lo, d)`` (sampling dtype, on the device) of sampled balls ``lo..hi-1``.
+
+        L∞: the ball ∩ ``clip`` is the box ``[max(c − ε, lo), min(c + ε, hi)]``; L2: the centre and an
+        empty ``(hi - lo, 0)`` width (samples are centre + radius · direction). Computed from the
+        centres of these balls only, in the centres' dtype, then cast — the values a table of all
+        corners held in earlier releases gave, bit for bit — and kept for the next batch (a ball's samples
+        often span several).
+        """
+        assert self.radius is not None
+        cached = getattr(self, "_corner_cache", None)  # a ball's samples often span several batches
+        if cached is not None and cached[0] <= lo and hi <= cached[1] and cached[2] == dtype:
+            return cached[3][lo - cached[0] : hi - cached[0]], cached[4][lo - cached[0] : hi - cached[0]]
+        c = self._centre_rows(lo, hi)
+        if self.norm == "linf":
+            low, high = c - self.radius, c + self.radius
+            if self.clip is not None:
+                low, high = low.clamp_min(self.clip[0]), high.clamp_max(self.clip[1])
+            lower, width = low.to(self.device, dtype), (high - low).to(self.device, dtype)
+        else:  # L2: the width is unused (samples are centre + radius · direction)
+            lower = c.to(self.device, dtype)
+            width = lower[:, :0]
+        self._corner_cache = (lo, hi, dtype, lower, width)
+        return lower, width
 
     def _run_blocks(self, adapter: _ModelAdapter, engine: CellTallyEngine, first: int, last: int,
                     dtype: torch.dtype, corners: Tensor) -> int:
@@ -130,7 +207,11 @@ class MonteCarloSampler:
         """One small model call on the first sampled cell's centre: validates the output, returns ``K``."""
         # on the sampling device, like the Monte Carlo batches (the plan's corners may live on the profile's
         # device, e.g. a CPU profile with device="cuda" and a CUDA model)
-        z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self.device, self._sample_dtype()).expand(2, -1)
+        if self.cell_kind == "balls":
+            lower, width = self._ball_corners(0, 1, self._sample_dtype())
+            z = (lower + width / 2 if self.norm == "linf" else lower).expand(2, -1)
+        else:
+            z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self.device, self._sample_dtype()).expand(2, -1)
         x = self._to_input(z.contiguous())
         x = x.to(self.input_dtype)
         raw = adapter.raw(x)
@@ -201,13 +282,15 @@ class MonteCarloSampler:
     def _run_stream(self, adapter: _ModelAdapter, engine: CellTallyEngine, rank: int, world_size: int) -> None:
         """This rank's share of the current stage's blocks into ``engine`` (adds to :attr:`queries`)."""
         dtype = self._sample_dtype()
-        corners = torch.cat([self._sample_lower, self._sample_width], 1).to(self.device, dtype)
+        corners = (None if self.cell_kind == "balls" else
+                   torch.cat([self._sample_lower, self._sample_width], 1).to(self.device, dtype))
         self._ends_dev = self._ends.to(self.device)
         self._generator = torch.Generator(device=self.device)
-        n_blocks = -(-self.total_samples // BLOCK)
+        size = self._block
+        n_blocks = -(-self.total_samples // size)
         first, last = rank * n_blocks // world_size, (rank + 1) * n_blocks // world_size
         block = first
-        per_batch = self._initial_blocks() if self.batch_size == "auto" else max(1, self.batch_size // BLOCK)
+        per_batch = self._initial_blocks() if self.batch_size == "auto" else max(1, self.batch_size // size)
         if self.batch_size == "auto" and self._tuned_blocks is not None:  # a later stage: the first one's choice
             per_batch = self._tuned_blocks
         elif self.batch_size == "auto":
@@ -217,7 +300,7 @@ class MonteCarloSampler:
             block = tuned
         self.blocks_per_batch = per_batch
         done = self.queries
-        total = done + max(0, min(self.total_samples, last * BLOCK) - first * BLOCK)  # this rank's model queries
+        total = done + max(0, min(self.total_samples, last * size) - first * size)  # this rank's model queries
         while block < last:
             stop = min(last, block + per_batch)
             self.queries += self._run_blocks(adapter, engine, block, stop, dtype, corners)
@@ -327,15 +410,22 @@ class MonteCarloSampler:
         """
         self._lab_pred: Tensor | None = None
         self._labelled_classes: int | None = None
-        if self._x_lab_raw is None or self._y_lab is None or not self._y_lab.numel():
+        source = self._lab_source
+        if (self._x_lab_raw is None and source is None) or self._y_lab is None or not self._y_lab.numel():
             return
         adapter = _ModelAdapter(model, self.num_classes, what="max_pmi_ub: model on the labelled points")
-        x_all = self._x_lab_raw
-        step = self.batch_size if isinstance(self.batch_size, int) else 4 * BLOCK
         preds = []
-        for start in range(0, int(x_all.shape[0]), step):
-            x = x_all[start : start + step].to(self.device, self.input_dtype)
-            preds.append(adapter(x))
+        if source is not None:  # streamed: one model call per loader batch, in the loader's shape
+            for _, _, raw in source.batches():
+                preds.append(adapter(raw.to(self.device, self.input_dtype)))
+        else:
+            x_all = self._x_lab_raw
+            per_input = max(1, math.prod(x_all.shape[1:]))
+            step = (self.batch_size if isinstance(self.batch_size, int)
+                    else max(1, min(4 * BLOCK, 4 * BLOCK_ELEMS // per_input)))
+            for start in range(0, int(x_all.shape[0]), step):
+                x = x_all[start : start + step].to(self.device, self.input_dtype)
+                preds.append(adapter(x))
         adapter.check()
         self._labelled_classes = adapter.guard.num_classes
         pred = torch.cat(preds).to(torch.int64)
@@ -347,6 +437,9 @@ class MonteCarloSampler:
         self._lab_pred = pred.cpu()
 
     def _initial_blocks(self) -> int:
+        if self.cell_kind == "balls" and self._block < BLOCK:  # images: a batch of about BALL_BATCH_ELEMS values
+            budget = BALL_BATCH_ELEMS * (1 if self.device.type == "cpu" else 16)
+            return max(1, budget // (self._block * self._sample_dim))
         return 2 if self.device.type == "cpu" else 64
 
     def _autotune(self, adapter: _ModelAdapter, engine: CellTallyEngine, block: int, last: int,
@@ -355,6 +448,9 @@ class MonteCarloSampler:
         # CPU: small multiples of BLOCK (a tiny MLP is fastest at 12k–16k inputs, while activations fit
         # the caches); accelerators: large batches
         candidates = [1, 2, 3, 4, 6, 8] if self.device.type == "cpu" else [16, 64, 256]
+        if self.cell_kind == "balls" and self._block < BLOCK:  # images: around the memory-bounded first batch
+            base = self._initial_blocks()
+            candidates = [max(1, base // 2), base, 2 * base, 4 * base]
         if last - block < 4 * sum(candidates):
             return block, self._initial_blocks()
         rates = {}
