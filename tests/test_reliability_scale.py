@@ -132,14 +132,14 @@ def test_image_ball_bounds_cover_a_known_truth(norm: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- streamed data
-def _held_and_streamed(**options):
+def _held_and_streamed(mixed: bool = False, **options):
     x = _images(40, 2, (2, 4, 4))
     y = (x.reshape(40, -1)[:, :8].mean(1) > 0.5).long()
     base = dict(cells="balls", clip=(0.0, 1.0), samples_per_cell=200, bootstrap=0, seed=3)
     base.update(options)
     held = _quiet(assess_reliability, _pixel_model, x, (x, y), **base)
-    stream = _quiet(assess_reliability, _pixel_model, DataLoader(TensorDataset(x), batch_size=7),
-                    DataLoader(TensorDataset(x, y), batch_size=9), **base)
+    centres = x if mixed else DataLoader(TensorDataset(x), batch_size=7)  # mixed: held centres, streamed labels
+    stream = _quiet(assess_reliability, _pixel_model, centres, DataLoader(TensorDataset(x, y), batch_size=9), **base)
     return held, stream
 
 
@@ -148,7 +148,8 @@ def _held_and_streamed(**options):
     {"norm": "l2", "bootstrap": 20},
     {"norm": "linf", "radius": 0.3, "empty_cell_label": "nearest"},
     {"norm": "linf", "max_balls": 17, "allocation": "adaptive"},
-], ids=["linf", "l2-bootstrap", "nearest", "max_balls-adaptive"])
+    {"norm": "l2", "mixed": True},
+], ids=["linf", "l2-bootstrap", "nearest", "max_balls-adaptive", "held-centres"])
 def test_streamed_balls_give_the_numbers_of_the_held_data(options: dict) -> None:
     held, stream = _held_and_streamed(**options)
     assert stream.r_hat == held.r_hat

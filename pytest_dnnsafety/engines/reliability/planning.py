@@ -153,8 +153,10 @@ class CellPlanner:
             z_lab, y_lab = None, None
             self.r_hat = float("nan")
         self._z_lab, self._y_lab = z_lab, y_lab
-        span = (torch.full((d,), hi_c - lo_c, dtype=torch.float64) if self.clip is not None
-                else (centres_all.max(0).values - centres_all.min(0).values).cpu()) if self._needs_span(radius) else None
+        span = None
+        if self._needs_span(radius):  # radius="auto": capped by the data's (or clip's) diameter
+            span = (torch.full((d,), hi_c - lo_c, dtype=torch.float64) if self.clip is not None
+                    else (centres_all.max(0).values - centres_all.min(0).values).cpu())
         value = self._ball_radius(radius, eps_fraction, span)
         op = self._ball_op(m, flat)
         # ---- types: labelled points inside each (closed) ball, chunked distance matrices
@@ -194,7 +196,7 @@ class CellPlanner:
         return radius is None or (isinstance(radius, str) and radius == "auto")
 
     def _ball_radius(self, radius: Any, eps_fraction: Any, span: Tensor | None) -> float:
-        """The ball radius: given, or ``min(eps_fraction · r̂, cap)`` below r̂ (``span``: the data's range per value)."""
+        """The ball radius: given, or ``min(eps_fraction · r̂, cap)`` below r̂ (``span``: the range per value)."""
         if radius is None or (isinstance(radius, str) and radius == "auto"):
             if not math.isfinite(self.r_hat):
                 raise ConfigError(

@@ -211,7 +211,8 @@ class MonteCarloSampler:
             lower, width = self._ball_corners(0, 1, self._sample_dtype())
             z = (lower + width / 2 if self.norm == "linf" else lower).expand(2, -1)
         else:
-            z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self.device, self._sample_dtype()).expand(2, -1)
+            z = (self._sample_lower[:1] + self._sample_width[:1] / 2).to(self.device, self._sample_dtype())
+            z = z.expand(2, -1)
         x = self._to_input(z.contiguous())
         x = x.to(self.input_dtype)
         raw = adapter.raw(x)
