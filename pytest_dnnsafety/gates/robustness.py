@@ -164,8 +164,10 @@ def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -
         with eval_mode(fx["model"]):
             return verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
                                      clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
-                                     attack_steps=opts["attack_steps"], shard=ctx.shard(fx["data"]))
+                                     attack_steps=opts["attack_steps"], shard=ctx.shard(fx["data"]),
+                                     max_memory=opts["max_memory"])
 
+    # max_memory is not in the key: chunking never changes the bounds, so gates differing only in it share one run
     values = (float(opts["eps"]), opts["method"], _clip(opts), opts["attack_steps"], ctx.seed, ctx.batch_size,
               ctx.device)
     result = ctx.memo("robustness.verified", (fx["model"], fx["data"]), values, measure)
@@ -213,6 +215,12 @@ def _budget_map(value: Any) -> str | None:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or _positive(budget):
             return f"the budget of {name!r} must be a positive finite number, got {budget!r}"
     return None
+
+
+def _memory(value: Any) -> str | None:
+    from ..memsize import memory_problem
+
+    return None if value is None else memory_problem(value)
 
 
 _CLIP = Param("clip", (list, tuple, type(None)), None, is_interval,
@@ -270,6 +278,10 @@ MIN_VERIFIED_ROBUSTNESS = GateDef(
         _CLIP,
         Param("attack_steps", (int,), 20, in_range(0, 10_000),
               "give the PGD steps used to find counterexamples for inputs that are not verified (0: none)"),
+        Param("max_memory", (int, str, type(None)), None, _memory,
+              "give the bounds' working-memory budget as bytes or a size such as max_memory='2GiB' or '512MiB' "
+              "(at least 16 MiB; default 1 GiB); CROWN chunks its work over inputs and bounded rows to stay within "
+              "it, which changes its speed, never its bounds"),
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_verified,

@@ -32,7 +32,8 @@ per-sample normalisations, softmax, attention (``nn.MultiheadAttention``, transf
   front of the first nonlinearity are shared by the batch (computed once), and a small input
   (≤ 4096 values) lets the affine layers before the first nonlinearity collapse into one dense
   Jacobian. Work is chunked over the batch and over the bounded rows so that no intermediate
-  tensor holds more than ``max_elements`` values.
+  tensor holds more than ``max_elements`` values, derived from the ``max_memory`` budget (default
+  2 GiB), which also splits a batch into parts whose per-input state fits; chunks change no bound.
 * :meth:`BoundedModel.margin_lower_bounds` — lower bounds of ``z_y − z_j``; both methods bound
   the margin as one linear function (the specification ``C = e_y − e_j``), tighter than two
   separate bounds: IBP folds ``C`` into the affine layers at the end of the network (``C·W``
@@ -56,7 +57,8 @@ from torch import Tensor, nn
 
 from ...errors import ConfigError, DataError, MetricError
 from ...outputs import model_dtype_device
-from .bounds_crown import BoundState
+from ...memsize import parse_memory
+from .bounds_crown import DEFAULT_MAX_MEMORY, BoundState, memory_plan
 from .bounds_ops import (AffineOp, ConcatOp, ConvOp, ConvTransposeOp, LeakyReluOp, LinearOp, MaxPoolOp, Op,
                          PermuteOp, PositiveLinearOp, ReluOp, ReshapeOp, SumOp)
 from .bounds_layers import (_ELEMENTWISE_KINDS, _ELEMENTWISE_MODULES, _FIX, _KWARGS, _REFUSED_FUNCTIONS,
@@ -132,12 +134,18 @@ class BoundedModel:
     """A model traced for certified bounds (IBP and CROWN); see the module docstring.
 
     ``model``: an eval-mode ``nn.Module`` whose forward takes one input tensor ``(B, ...)`` and
-    returns one tensor. ``max_elements``: the largest intermediate coefficient tensor CROWN builds
-    (values; 2^24 ≈ 64 MB in float32). Raises :class:`UnsupportedLayerError` for anything it
+    returns one tensor. ``max_memory``: CROWN's working-memory budget in bytes (an int, or text
+    such as ``"2GiB"``/``"512MiB"``; default :data:`~.bounds_crown.DEFAULT_MAX_MEMORY`, 1 GiB): half
+    for the per-input state (the batch is bounded in parts that fit it), half for the coefficient
+    tensors of the backward passes (chunked over inputs and bounded rows; see
+    :func:`~.bounds_crown.memory_plan`). ``max_elements``: the largest intermediate coefficient
+    tensor CROWN builds (values), derived from ``max_memory`` when not given (2^24 ≈ 64 MB in
+    float32 at the default). Chunking never changes a bound. Raises :class:`UnsupportedLayerError` for anything it
     cannot bound, naming the layer and its type.
     """
 
-    def __init__(self, model: nn.Module, *, max_elements: int = 1 << 24) -> None:
+    def __init__(self, model: nn.Module, *, max_elements: int | None = None,
+                 max_memory: int | str | None = None) -> None:
         from .bounds_export import is_exported, translate_export  # a torch.export program (.pt2): its ATen graph
         if is_exported(model):  # translated into the modules below, holding the program's own tensors
             model = translate_export(model, UnsupportedLayerError)
@@ -157,10 +165,12 @@ class BoundedModel:
         error = _training_error(model)
         if error is not None:
             raise error
-        if max_elements < 1:
-            raise ValueError(f"max_elements={max_elements!r} must be positive")
+        if max_elements is not None and (isinstance(max_elements, bool) or not isinstance(max_elements, int)
+                                         or max_elements < 1):
+            raise ValueError(f"max_elements={max_elements!r} must be a positive int")
         self.model = model
-        self.max_elements = int(max_elements)
+        self.max_memory = DEFAULT_MAX_MEMORY if max_memory is None else parse_memory(max_memory, "max_memory")
+        self._max_elements = None if max_elements is None else int(max_elements)
         try:
             self.graph_module = fx.symbolic_trace(model)
         except Exception as exc:
@@ -281,7 +291,7 @@ class BoundedModel:
         return kind
 
     # ------------------------------------------------------------------ building the ops
-    def _prepare(self, x_lo: Tensor, x_hi: Tensor, check: bool = True) -> BoundState:
+    def _prepare(self, x_lo: Tensor, x_hi: Tensor, check: bool = True, parts: bool = False) -> Any:
         error = _training_error(self.model)
         if error is not None:
             raise error
@@ -299,7 +309,23 @@ class BoundedModel:
         if check:  # the value checks read the box on the host (one sync each on an accelerator)
             _check_box(x_lo, x_hi)
         ops, out = self._build_ops((x_lo + x_hi) / 2)
-        return BoundState(ops, out, x_lo, x_hi, self.max_elements)
+        if not parts:
+            return BoundState(ops, out, x_lo, x_hi, self._elements(x_lo.dtype))
+        # parts: a list of states over consecutive slices of the batch whose per-input state fits half the budget
+        size = memory_plan(self.max_memory, x_lo.element_size(), ops)[1]
+        return [BoundState(ops, out, x_lo[b0:b0 + size], x_hi[b0:b0 + size], self._elements(x_lo.dtype))
+                for b0 in range(0, x_lo.shape[0], size)]
+
+    @property
+    def max_elements(self) -> int:
+        """The largest coefficient tensor (values) in the model's dtype (float32 unless known)."""
+        dtype = model_dtype_device(self.model)[0] or torch.float32
+        return self._elements(dtype)
+
+    def _elements(self, dtype: torch.dtype) -> int:
+        if self._max_elements is not None:
+            return self._max_elements
+        return memory_plan(self.max_memory, torch.empty((), dtype=dtype).element_size())[0]
 
     # ------------------------------------------------------------------ public bounds
     def ibp(self, x_lo: Tensor, x_hi: Tensor, *, check: bool = True,
@@ -327,17 +353,24 @@ class BoundedModel:
         ``check``: as for :meth:`ibp`.
         """
         with torch.no_grad():
-            state = self._prepare(x_lo, x_hi, check)
-            spec_t, shared = state.spec(spec)
+            states = self._prepare(x_lo, x_hi, check, parts=True)  # consecutive slices of the batch
+            spec_t, shared = states[0].spec(spec, batch=x_lo.shape[0])
             k = spec_t.shape[1]
-            low = state.lower(state.out, torch.cat([spec_t, -spec_t], dim=1), shared)
-            if spec is None:  # the output's own IBP interval (c ± r would round differently)
-                lo_i, hi_i = (t.flatten(1) for t in state.ivs[state.out])
-            else:
-                lo_i, hi_i = state.spec_ibp(spec_t)
-            lo, hi = torch.maximum(low[:, :k], lo_i), torch.minimum(-low[:, k:], hi_i)
+            los, his, b0 = [], [], 0
+            for state in states:
+                part = spec_t if shared else spec_t[b0:b0 + state.batch]
+                b0 += state.batch
+                low = state.lower(state.out, lambda k0, k1: torch.cat([part, -part], dim=1)[:, k0:k1], shared,
+                                  count=2 * k)
+                if spec is None:  # the output's own IBP interval (c ± r would round differently)
+                    lo_i, hi_i = (t.flatten(1) for t in state.ivs[state.out])
+                else:
+                    lo_i, hi_i = state.spec_ibp(part)
+                los.append(torch.maximum(low[:, :k], lo_i))
+                his.append(torch.minimum(-low[:, k:], hi_i))
+            lo, hi = torch.cat(los), torch.cat(his)
             if spec is None:
-                shape = (lo.shape[0], *state.ops[state.out].out_shape)
+                shape = (lo.shape[0], *states[0].ops[states[0].out].out_shape)
                 return lo.reshape(shape), hi.reshape(shape)
             return lo, hi
 
@@ -358,27 +391,33 @@ class BoundedModel:
         if method not in ("crown", "ibp"):
             raise ConfigError(f"method={method!r} is not one of ['crown', 'ibp'].")
         with torch.no_grad():
-            state = self._prepare(x_lo, x_hi, check)
+            states = self._prepare(x_lo, x_hi, check, parts=True)  # consecutive slices of the batch
+            state = states[0]
             out_shape = state.ops[state.out].out_shape
             if len(out_shape) != 1 or out_shape[0] < 2:
                 raise MetricError(f"margin bounds need class scores of shape (batch, classes); the model returns "
                                   f"per-sample shape {out_shape}. Fix: return one row of class scores per input.")
-            n = out_shape[0]
+            n, batch = out_shape[0], sum(part.batch for part in states)
             device = state.x_lo.device
             y = torch.as_tensor(y).to(device=device, dtype=torch.int64, non_blocking=device.type != "cpu")
-            if y.shape != (state.batch,) or (check and bool(((y < 0) | (y >= n)).any())):
+            if y.shape != (batch,) or (check and bool(((y < 0) | (y >= n)).any())):
                 raise DataError(f"margin bounds need one label in [0, {n}) per input; got labels of shape "
-                                f"{tuple(y.shape)} for {state.batch} inputs.")
+                                f"{tuple(y.shape)} for {batch} inputs.")
             if not check:  # an index out of range would be a device-side assert on CUDA
                 y = y.clamp(0, n - 1)
-            lo, hi = state.ivs[state.out]
-            eye = torch.eye(n, dtype=lo.dtype, device=lo.device)
-            spec = eye[y].unsqueeze(1) - eye.unsqueeze(0)  # (B, n, n): rows e_y − e_j
-            # the spec folded into the last affine layers, intersected with lb_y − ub_j (never looser)
-            margins = torch.maximum(lo.gather(1, y[:, None]) - hi, state.folded_spec_ibp(spec)[0])
-            if method == "crown":
-                margins = torch.maximum(margins, state.lower(state.out, spec, False))
-            return margins.scatter(1, y[:, None], math.inf)
+            parts, b0 = [], 0
+            for state in states:
+                y_part = y[b0:b0 + state.batch]
+                b0 += state.batch
+                lo, hi = state.ivs[state.out]
+                eye = torch.eye(n, dtype=lo.dtype, device=lo.device)
+                spec = eye[y_part].unsqueeze(1) - eye.unsqueeze(0)  # (B, n, n): rows e_y − e_j
+                # the spec folded into the last affine layers, intersected with lb_y − ub_j (never looser)
+                margins = torch.maximum(lo.gather(1, y_part[:, None]) - hi, state.folded_spec_ibp(spec)[0])
+                if method == "crown":
+                    margins = torch.maximum(margins, state.lower(state.out, spec, False))
+                parts.append(margins.scatter(1, y_part[:, None], math.inf))
+            return torch.cat(parts)
 
     def _build_ops(self, centre: Tensor) -> tuple[list[Op], int]:
         """The ops of the traced graph for inputs shaped like ``centre`` (a probe forward gives the shapes)."""

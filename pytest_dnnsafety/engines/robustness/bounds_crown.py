@@ -25,8 +25,16 @@ relaxations, and runs the backward linear bound propagation:
   spec's rows go back through the affine ops at the end of the graph (the same sweep, stopped at
   the last nonlinearities) and are concretised over those nodes' IBP intervals.
 
+Intermediate neurons are chosen by *refined* IBP (:meth:`BoundState._interval`: intervals
+re-propagated from the CROWN bounds already found, not from the input box alone): deep in a
+ResNet plain IBP calls nearly every neuron unstable (layer1.1.bn1 of a width-16 ResNet-18 at
+ε = 1/255: 15,819 of 16,384) where CROWN leaves a few hundred (359), so the rows, each a
+backward pass to the input, are bounded for far fewer neurons. The rows are unit vectors built
+per chunk for the union of the neurons the batch needs (never an ``n × n`` identity).
+
 Memory: no coefficient tensor holds more than ``max_elements`` values (chunks over the batch and
-over the rows). Pure torch; no pytest import.
+over the rows), sized with the batch's parts by :func:`memory_plan` from the ``max_memory``
+budget. Pure torch; no pytest import.
 
 Host reads: by default the chunks are sized by the data (how many neurons of each sample are
 unstable, how many rows each sample needs), which spares the work on the stable ones but reads
@@ -47,15 +55,47 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ...allocator import release
 from ...errors import DataError
 from .bounds_ops import Op, ReluOp, ReshapeOp, _row_dot
 
-__all__ = ["BoundState"]
+__all__ = ["BoundState", "DEFAULT_MAX_MEMORY", "memory_plan"]
 
 #: A dense Jacobian of the affine layers before the first nonlinearity is kept when it has at most this many values.
 _DENSE_LIMIT = 1 << 22
 #: ... and the input has at most this many values.
 _DENSE_INPUTS = 4096
+#: CROWN's default working-memory budget (bytes): half for the coefficient tensors, half for the per-input state
+#: of the batch (see :func:`memory_plan`). A fixed size rather than a share of the machine's memory, so that a
+#: run's memory does not depend on what else is running; 2 GiB fits CI runners (7 GB and up) with the model and
+#: the data loader beside it.
+DEFAULT_MAX_MEMORY = 2 << 30
+#: The work half of the budget over the largest coefficient tensor: a sweep holds a node's pending coefficients,
+#: a residual branch's, the relaxation's temporaries and the convolutions' reorders, and glibc's heap fragments
+#: around them. Measured (peak RSS growth, ResNet-18-style width 16 at 32x32, CPU): 67 MiB at max_memory=128MiB,
+#: 458 MiB at 1GiB; with 16 instead, 1.1 GiB at 512MiB.
+WORK_COPIES = 64
+#: Values kept per input and per node value of the graph (IBP interval, refined interval, bounds, relaxations, the
+#: rows' results and their temporaries).
+STATE_COPIES = 12
+
+
+def memory_plan(max_memory: int, itemsize: int, ops: list[Op] | None = None) -> tuple[int, int]:
+    """``(max_elements, inputs per part)`` for a budget of ``max_memory`` bytes.
+
+    Half the budget bounds the coefficient tensors of the backward passes (``max_elements``
+    values, :data:`WORK_COPIES` of them alive at once), the other half the per-input state of
+    the graph (:data:`STATE_COPIES` values per node value): a batch is bounded in parts of at
+    most that many inputs (at least one). Without ``ops`` the second number is 0.
+    """
+    work = max_memory // 2
+    max_elements = max(1, work // (itemsize * WORK_COPIES))
+    if ops is None:
+        return max_elements, 0
+    per_input = sum(op.numel for op in ops) * itemsize * STATE_COPIES
+    return max_elements, max(1, (max_memory - work) // per_input)
+
+
 #: Size chunks by data-dependent counts read on the host (True: less work) or by shapes alone (False: no host
 #: synchronisation; see the module docstring).
 HOST_SIZING: bool = True
@@ -96,6 +136,12 @@ class BoundState:
         n_in = math.prod(self.ops[0].out_shape)
         if n_in > _DENSE_INPUTS:
             return {}
+        reach = {0}  # the nodes a dense Jacobian would be kept for (decided from shapes before building any)
+        for i, op in enumerate(self.ops[1:], 1):
+            if op.linear and all(j in reach for j in op.inputs) and op.numel * n_in <= _DENSE_LIMIT:
+                reach.add(i)
+        if all(isinstance(self.ops[i], ReshapeOp) for i in reach):  # nothing to collapse: spare the n_in² identity
+            return {}
         dtype, device = self.centre.dtype, self.centre.device
         basis = {0: torch.eye(n_in, dtype=dtype, device=device).reshape(n_in, *self.ops[0].out_shape)}
         offset = {0: torch.zeros((1, *self.ops[0].out_shape), dtype=dtype, device=device)}
@@ -112,7 +158,9 @@ class BoundState:
         return dense
 
     # ------------------------------------------------------------------ specs
-    def spec(self, spec: Tensor | None) -> tuple[Tensor, bool]:
+    def spec(self, spec: Tensor | None, batch: int | None = None) -> tuple[Tensor, bool]:
+        """``spec`` as ``(Bs, K, *out_shape)`` and whether it is shared (Bs = 1); per-sample specs fit ``batch``."""
+        batch = self.batch if batch is None else batch
         out_shape = self.ops[self.out].out_shape
         n = math.prod(out_shape)
         dtype, device = self.centre.dtype, self.centre.device
@@ -124,9 +172,9 @@ class BoundState:
             lead = tuple(spec.shape[:spec.ndim - per_row])
             if len(lead) == 1 and lead[0] > 0:  # (K, ...): shared by the batch
                 return spec.reshape(1, lead[0], *out_shape), True
-            if len(lead) == 2 and lead[0] in (1, self.batch) and lead[1] > 0:
+            if len(lead) == 2 and lead[0] in (1, batch) and lead[1] > 0:
                 return spec.reshape(lead[0], lead[1], *out_shape), lead[0] == 1
-        raise DataError(f"spec of shape {tuple(spec.shape)} does not fit {self.batch} inputs and outputs of "
+        raise DataError(f"spec of shape {tuple(spec.shape)} does not fit {batch} inputs and outputs of "
                         f"per-sample shape {out_shape}; expected (B, K, {n}) or (K, {n}).")
 
     def spec_ibp(self, spec: Tensor, fold: bool = True) -> tuple[Tensor, Tensor]:
@@ -245,6 +293,7 @@ class BoundState:
         self.bounds[p] = result
         if p in self.refined:
             self.refined[p] = result
+        release()  # the sweeps' freed coefficient tensors back to the system (glibc keeps them in a fragmented heap)
         return result
 
     def _crown_bounds(self, p: int) -> tuple[Tensor, Tensor]:

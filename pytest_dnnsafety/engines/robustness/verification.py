@@ -244,6 +244,7 @@ def verify_robustness(
     seed: int | None = 0,
     attack_steps: int = 20,
     shard: Any = None,
+    max_memory: int | str | None = None,
 ) -> VerificationResult:
     """Verify L∞ robustness at ``eps`` of every labelled input of ``data`` (see the module docstring).
 
@@ -256,7 +257,8 @@ def verify_robustness(
     falsifies its input. ``device`` is used only for a model without parameters (the model's own
     device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the
     batches (None: all of them); the ranks' states are all-reduced, so every rank gets the
-    single-process result.
+    single-process result. ``max_memory``: the bounds' working-memory budget in bytes (int or text
+    such as ``"2GiB"``; None: 1 GiB), see :class:`~.bounds.BoundedModel` (chunks never change a bound).
 
     Host synchronisation: on an accelerator each batch synchronises once to select the undecided
     inputs (their count sizes the PGD batch, which spares the attack on every verified or
@@ -282,7 +284,7 @@ def verify_robustness(
     seed = 0 if seed is None else check_count(seed, "seed", 0, fix="give a non-negative integer seed, e.g. seed=0.")
     attack_steps = check_count(attack_steps, "attack_steps", 0, fix="give the PGD steps, e.g. attack_steps=20 (0: "
                                "no attack).")
-    bounded = BoundedModel(model)
+    bounded = BoundedModel(model, max_memory=max_memory)
     dtype, model_device = model_dtype_device(model)
     target = model_device or torch.device(device)
     runner = Runner("certified robustness", device=target, batch_size=batch_size, shard=shard)
