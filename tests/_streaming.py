@@ -113,7 +113,7 @@ def stream_net(shape: tuple[int, ...] = SHAPE) -> StreamNet:
 
 #: family -> (its data: "dataset" = the evaluation data, "small" = a smaller loader for an expensive family,
 #: "tiny" = a smaller loader of 1x8x8 images and a model for them (DeepQuant's pattern search polls every
-#: input dimension: about 8 s per 3x32x32 image), "pmi" = labelled operational data held whole by design;
+#: input dimension: about 8 s per 3x32x32 image), "pmi" = labelled operational images, streamed in passes;
 #: markers without the data= keyword).
 FAMILIES: dict[str, tuple[str, list[str]]] = {
     "neurons": ("dataset", ["min_neuron_k_activation(0.0, layer='classifier.1', k=1)",
@@ -272,8 +272,9 @@ def _operational():
 
 @pytest.fixture(scope="session")
 def pmi_data():
-    """The labelled operational images, streamed: max_pmi_ub (cells='balls') puts a ball around each, read in passes."""
-    return _loader(60, seed=2, tag="pmi")
+    """The labelled operational images, streamed: max_pmi_ub (cells='balls') puts a ball around each, read in passes
+    (3 ``N_SMALL`` of them: the peak-RSS test grows them tenfold with the other expensive families' data)."""
+    return _loader(3 * N_SMALL, seed=2, tag="pmi")
 
 
 @pytest.fixture(scope="session")
