@@ -57,7 +57,7 @@ from .archives import (
 )
 from .config import Resolved, Settings
 from .export_program import example_inputs_problem
-from .data import as_tensors, iter_batches, known_length  # re-exported: users import them from here
+from .data import as_tensors, check_loader_order, iter_batches, known_length  # re-exported: users import them from here
 from .errors import ConfigError, DataError, DnnSafetyError, ModelLoadError
 
 __all__ = [
@@ -472,12 +472,14 @@ def _read_array_file(path: Path, what: str) -> Any:
     return _torch_load(path, what, f"a valid {expected} file", False, DataError, fix)
 
 
-def _load_data_setting(settings: Settings, name: str, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _load_data_setting(settings: Settings, name: str, what: str, made: Any = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, y)`` of setting ``name``; ``made``: what its factory already returned (the factory is not called again)."""
     resolved = settings.require(name, what)
     label = f"{what} (dnnsafety_{name}={resolved.value!r} from {resolved.source})"
     if resolved.is_factory:
-        raw = _call_factory(resolved, settings, "(x, y), x, a dict with 'x', a TensorDataset or a DataLoader",
-                            DataError)
+        raw = made if made is not None else _call_factory(
+            resolved, settings, "(x, y), x, a dict with 'x', a TensorDataset or a DataLoader", DataError)
         if raw is None:
             raise DataError(f"{label}: the factory returned None. Fix: return (x, y), x, a dict with 'x', a "
                             "TensorDataset or a DataLoader (a missing `return`?).")
@@ -489,13 +491,22 @@ def _load_data_setting(settings: Settings, name: str, what: str) -> tuple[torch.
 
 
 def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation data"
-                 ) -> torch.utils.data.TensorDataset:
+                 ) -> torch.utils.data.TensorDataset | torch.utils.data.DataLoader:
     """The data of setting ``name`` as a ``TensorDataset(x, y)`` (``(x,)`` when unlabelled).
 
     ``dnnsafety_data`` (the labelled evaluation data) by default; also ``monitor_data`` (what runtime
-    monitors are fitted on) and ``ood_data`` (novel classes).
+    monitors are fitted on) and ``ood_data`` (novel classes). A factory that returns a ``DataLoader``
+    gets it back as it is (checked to read in order), so data larger than memory streams: every gate
+    reads a loader batch by batch.
     """
-    x, y = _load_data_setting(settings, name, what)
+    resolved = settings.require(name, what)
+    if resolved.is_factory:
+        made = _call_factory(resolved, settings, "(x, y), x, a dict with 'x', a TensorDataset or a DataLoader",
+                             DataError)
+        if isinstance(made, torch.utils.data.DataLoader):
+            check_loader_order(made, f"{what} (dnnsafety_{name}={resolved.value!r} from {resolved.source})")
+            return made
+    x, y = _load_data_setting(settings, name, what, made if resolved.is_factory else None)
     return torch.utils.data.TensorDataset(x, y) if y is not None else torch.utils.data.TensorDataset(x)
 
 

@@ -393,7 +393,11 @@ def test_pt_dict_of_tensors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("factory", ["mymod:pair", "mymod:dataset", "mymod:loader"])
 def test_data_factory(tmp_path: Path, mymod: str, factory: str) -> None:
-    assert_labelled(load_dataset(make_settings(tmp_path, data=factory)))
+    data = load_dataset(make_settings(tmp_path, data=factory))
+    if factory == "mymod:loader":  # a loader is kept as it is (streamed by every gate), its batches unchanged
+        assert isinstance(data, torch.utils.data.DataLoader)
+        data = TensorDataset(*(torch.cat(parts) for parts in zip(*data)))
+    assert_labelled(data)
 
 
 def test_data_factory_without_x_is_refused(tmp_path: Path, mymod: str) -> None:
@@ -554,3 +558,36 @@ def test_scenario_table_without_conditions_names_the_conditions_option(tmp_path:
     (tmp_path / "scenarios.csv").write_text(SCENARIOS)
     with pytest.raises(ConfigError, match="dnnsafety_conditions is unset"):
         load_scenario_table(make_settings(tmp_path, scenarios="scenarios.csv"))
+
+
+LOADER_MODULE = '''
+import torch
+
+class Refuses(torch.utils.data.Dataset):
+    """Read one input at a time; indexed all at once, it raises (it stands for data larger than memory)."""
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        if not isinstance(i, int):
+            raise TypeError("read one input at a time")
+        return torch.full((2,), float(i)), i % 2
+
+def ordered():
+    return torch.utils.data.DataLoader(Refuses(), batch_size=4)
+
+def shuffled():
+    return torch.utils.data.DataLoader(Refuses(), batch_size=4, shuffle=True)
+'''
+
+
+def test_a_data_factory_returning_a_dataloader_gets_it_back_unread(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #21: data larger than memory streams; the setting's loader is never concatenated into tensors."""
+    (tmp_path / "loaders.py").write_text(LOADER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("data", "monitor_data", "ood_data"):
+        loader = load_dataset(make_settings(tmp_path, **{name: "loaders:ordered"}), name)
+        assert isinstance(loader, torch.utils.data.DataLoader) and loader.batch_size == 4
+    with pytest.raises(DataError, match="shuffl"):
+        load_dataset(make_settings(tmp_path, data="loaders:shuffled"))
+    sys.modules.pop("loaders", None)
