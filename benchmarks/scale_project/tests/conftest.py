@@ -17,7 +17,7 @@ fixture                what                                                     
 ``radius_data``        likewise, for ``min_safe_radius`` (its search polls every input           ``SCALE_N_RADIUS`` 2
                        dimension)
 ``monitor_data``       the training split: the runtime monitors are fitted on it                ``SCALE_N_FIT`` 1000
-``pmi_data``           labelled operational images held whole (``max_pmi_ub`` puts a ball         ``SCALE_N_PMI`` 60
+``pmi_data``           labelled operational images, streamed (``max_pmi_ub`` puts a ball         ``SCALE_N_PMI`` 60
                        around each), and ``operational_profile`` (PCA-2 latent KDE) of them
 ``scenario_table``     ``dnnsafety_scenarios`` + ``dnnsafety_conditions`` (one row per image)
 =====================  =======================================================================  ================
@@ -144,7 +144,7 @@ def severity_matrix():
 
 
 def _operational():
-    """The last images of the training split: labelled operational data, held whole by design."""
+    """The last images of the training split, held: the grid-cell profile's KDE (PCA latent space) needs them."""
     data = ShardImages(_split("train"))
     n = _env("SCALE_N_PMI", 60)
     rows = range(len(data) - n, len(data))
@@ -154,9 +154,12 @@ def _operational():
 
 @pytest.fixture(scope="session")
 def pmi_data():
-    x, y = _operational()
-    SIZES["pmi_data"] = len(y)
-    return torch.utils.data.TensorDataset(x, y)
+    """The last training images as a streamed loader: max_pmi_ub's ball cells read centres and labels in passes."""
+    split = _split("train")
+    n_train = len(ShardImages(split))
+    data = loader(split, n_train - _env("SCALE_N_PMI", 60), n_train, 224, batch_size=BATCH)
+    SIZES["pmi_data"] = len(data.dataset)
+    return data
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,6 @@ def test_mahalanobis_selective_risk():
     """The error rate among the images the Mahalanobis monitor accepts (upper bound)."""
 
 
-@pytest.mark.max_monitor_overhead(1000.0, monitor="maha", repeats=1)
+@pytest.mark.max_monitor_overhead(1000.0, monitor="maha", repeats=1, data="attack_data")
 def test_mahalanobis_overhead():
     """The monitor's time per image against the model's forward time."""
