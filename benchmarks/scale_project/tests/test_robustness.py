@@ -27,6 +27,6 @@ def test_verified_robustness_16px():
 
 
 @pytest.mark.min_safe_radius(0.0, d=0.05, iterations=3, starts=1, ascent_starts=1, ascent_steps=2,
-                             certified_steps=3, model="small_model", data="radius_data")
+                             certified_steps=3, certified="ibp", model="small_model", data="radius_data")
 def test_safe_radius_16px():
     """The certified minimum safe radius over a few 16x16 images."""
