@@ -27,8 +27,8 @@ from pytest_dnnsafety.engines.reliability import BLOCK, ReliabilityAssessor, ass
 from pytest_dnnsafety.engines.reliability.sampler import block_size
 from pytest_dnnsafety.errors import DataError
 
-D = 3 * 32 * 32  # a CIFAR-sized image: blocks of 1,024 samples
-SHAPE = (1, 48, 48)  # the tests' images: 2,304 values, blocks of 1,024 samples (the new stream), cheaper than CIFAR
+D = 3 * 32 * 32  # a CIFAR-sized image: blocks of 256 samples
+SHAPE = (1, 48, 48)  # the tests' images: 2,304 values, blocks of 256 samples (the new stream), cheaper than CIFAR
 
 
 def _quiet(fn, *args, **kwargs):
@@ -40,8 +40,8 @@ def _quiet(fn, *args, **kwargs):
 def test_block_size_keeps_the_old_stream_up_to_1024_values_and_shrinks_for_images() -> None:
     assert block_size("grid", 10**6) == BLOCK
     assert [block_size("balls", d) for d in (1, 2, 64, 1024)] == [BLOCK] * 4
-    assert block_size("balls", D) == block_size("balls", math.prod(SHAPE)) == 1024
-    assert block_size("balls", 3 * 224 * 224) == 16
+    assert block_size("balls", D) == block_size("balls", math.prod(SHAPE)) == 256
+    assert block_size("balls", 3 * 224 * 224) == 4
     assert block_size("balls", 10**8) == 1
 
 
@@ -101,7 +101,7 @@ def _shell_model(centre: torch.Tensor, radius: float):
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", ["linf", "l2"])
 def test_image_ball_bounds_cover_a_known_truth(norm: str) -> None:
-    """The new image-sized stream (blocks of 1,024 samples at 1×48×48): the true pmi is exactly ``P_FAIL`` in every
+    """The new image-sized stream (blocks of 256 samples at 1×48×48): the true pmi is exactly ``P_FAIL`` in every
     ball; over 60 seeds the mean estimate is within 3 standard errors of it and the sound bounds cover it at
     least at the nominal 97.5 %."""
     m, n = 8, 100

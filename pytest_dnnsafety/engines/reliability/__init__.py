@@ -19,9 +19,9 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   profile); cell types from the labelled points inside each closed ball, exactly as for grid
   cells. See :func:`assess_reliability` for the details.
 * **Ball cells at image scale** — the Monte Carlo stream of images is cut into blocks of at most
-  :data:`~pytest_dnnsafety.engines.reliability.sampler.BLOCK_ELEMS` values (1,024 samples of
-  3×32×32, 16 of 3×224×224; up to 1,024 values per input the blocks, hence the samples, are those
-  of earlier releases), ``batch_size="auto"`` batches about 32 MiB of inputs on a CPU, and each
+  :data:`~pytest_dnnsafety.engines.reliability.sampler.BLOCK_ELEMS` values (256 samples of
+  3×32×32, 4 of 3×224×224; up to 1,024 values per input the blocks, hence the samples, are those
+  of earlier releases), ``batch_size="auto"`` starts from about 8 MiB of inputs on a CPU, and each
   batch computes its balls' corners from their centres (no table of ``balls × d`` corners). The
   centres and the labelled points may be ``DataLoader`` s
   (:mod:`~pytest_dnnsafety.engines.reliability.streamed`): read in passes (r̂ and the ball types

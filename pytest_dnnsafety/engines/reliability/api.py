@@ -107,7 +107,7 @@ def assess_reliability(
         device: where sampling and model calls happen (default: the profile's device).
         batch_size: model batch (rounded to blocks of :data:`BLOCK` samples; ball cells of more
             than 1,024 values per input use smaller blocks, :func:`block_size`) or ``"auto"`` (timed
-            on the first batches, about 32 MiB of image inputs on a CPU; results do not depend on it).
+            on the first batches, from about 8 MiB of image inputs on a CPU; results do not depend on it).
         input_dtype: dtype of the model inputs.
         cells: ``"grid"`` (default; the arguments above) or ``"balls"`` — norm-ball cells around
             the operational inputs (Zhao et al. 2021, §IV: "cells … are norm balls around operational

@@ -27,15 +27,16 @@ from pytest_dnnsafety.errors import ConfigError, DataError
 BLOCK = 4096
 
 #: Ball cells in many dimensions (images) cut the stream into smaller blocks: at most this many input
-#: values per block (a power of two of samples, at most :data:`BLOCK`; 16 MiB of float32). Up to 1,024
-#: dimensions a block is :data:`BLOCK` samples, as for grids; a 3×32×32 image gets 1,024 samples per
-#: block and a 3×224×224 image 16, so a model batch of images need not hold thousands of them.
-BLOCK_ELEMS = 1 << 22
+#: values per block (a power of two of samples, at most :data:`BLOCK`; 4 MiB of float32) above 1,024
+#: dimensions; up to 1,024 a block is :data:`BLOCK` samples, as for grids; a 3×32×32 image gets 256 samples per
+#: block and a 3×224×224 image 4, so a model batch of images need not hold thousands of them (a CPU
+#: runs a ResNet on 3×32×32 about twice as fast per image in batches of 256 as in batches of 2,048).
+BLOCK_ELEMS = 1 << 20
 
 #: ``batch_size="auto"`` for ball cells: the first model batch holds about this many input values
-#: (32 MiB of float32 on a CPU; 16× that on an accelerator), in whole blocks — on a CPU 2,048 images of
-#: 3×32×32 (two blocks), 48 of 3×224×224 (three blocks).
-BALL_BATCH_ELEMS = 1 << 23
+#: (8 MiB of float32 on a CPU; 16× that on an accelerator), in whole blocks — on a CPU 512 images of
+#: 3×32×32 (two blocks), 12 of 3×224×224 (three blocks); the autotune then tries ½×, 2× and 4× that.
+BALL_BATCH_ELEMS = 1 << 21
 
 #: Ball cells: a batch touching at most this many cells (or at least :data:`SEGMENT_MIN` samples per
 #: touched cell on average) shifts and scales its samples in place, one cell's slice at a time (no
@@ -45,9 +46,10 @@ SEGMENT_MIN = 64
 
 
 def block_size(cell_kind: str, dim: int) -> int:
-    """Samples per random block: :data:`BLOCK`, or for ball cells of ``dim`` values the largest power of two
-    with ``block · dim ≤`` :data:`BLOCK_ELEMS` (at least 1, at most :data:`BLOCK`)."""
-    if cell_kind != "balls":
+    """Samples per random block: :data:`BLOCK`, or for ball cells of more than 1,024 values the largest power
+    of two with ``block · dim ≤`` :data:`BLOCK_ELEMS` (at least 1, at most :data:`BLOCK`); up to 1,024 values
+    per input the blocks, hence the samples, are those of earlier releases."""
+    if cell_kind != "balls" or dim <= 1024:
         return BLOCK
     return min(BLOCK, 1 << max(0, (BLOCK_ELEMS // max(1, dim)).bit_length() - 1))
 
