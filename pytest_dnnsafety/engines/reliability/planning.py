@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.reliability.allocation import check_query_cap
 from pytest_dnnsafety.engines.reliability.cells import (
     _CHUNK_ELEMS,
@@ -32,7 +31,7 @@ from pytest_dnnsafety.engines.reliability.cells import (
     nearest_labels,
     r_separation,
 )
-from pytest_dnnsafety.engines.reliability.sampler import _mix
+from pytest_dnnsafety.engines.reliability.sampler import ball_rows
 from pytest_dnnsafety.engines.reliability.streamed import is_streamed
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.profile import OperationalProfile, as_tensor_2d
@@ -120,11 +119,7 @@ class CellPlanner:
         self.profile = profile if isinstance(profile, OperationalProfile) else None
         n_all, d = int(centres_all.shape[0]), int(centres_all.shape[1])
         self.n_operational = n_all
-        if max_balls is not None and check_count(max_balls, "max_balls", 1) < n_all:
-            gen = torch.Generator().manual_seed(_mix(self.seed, -2))
-            flat = torch.randperm(n_all, generator=gen)[: int(max_balls)].sort().values
-        else:
-            flat = torch.arange(n_all)
+        flat = ball_rows(n_all, max_balls, self.seed)
         centres = centres_all[flat.to(self.device)]
         m = int(flat.shape[0])
         # ---- valid input range

@@ -45,6 +45,14 @@ SEGMENT_RUNS = 256
 SEGMENT_MIN = 64
 
 
+def ball_rows(n_all: int, max_balls: Any, seed: int) -> Tensor:
+    """The sorted operational rows that get a ball: all ``n_all``, or ``max_balls`` of them drawn with ``seed``."""
+    if max_balls is not None and check_count(max_balls, "max_balls", 1) < n_all:
+        gen = torch.Generator().manual_seed(_mix(seed, -2))
+        return torch.randperm(n_all, generator=gen)[: int(max_balls)].sort().values
+    return torch.arange(n_all)
+
+
 def block_size(cell_kind: str, dim: int) -> int:
     """Samples per random block: :data:`BLOCK`, or for ball cells of more than 1,024 values the largest power
     of two with ``block · dim ≤`` :data:`BLOCK_ELEMS` (at least 1, at most :data:`BLOCK`); up to 1,024 values

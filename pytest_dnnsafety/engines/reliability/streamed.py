@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.data import _split_batch, check_loader_order
-from pytest_dnnsafety.engines.checks import check_count
 from pytest_dnnsafety.engines.reliability.cells import EMPTY, _ball_distances, ball_types
 from pytest_dnnsafety.errors import ConfigError, DataError
 from pytest_dnnsafety.profile import OperationalProfile
@@ -283,7 +282,7 @@ class StreamedBalls:
 
     def _init_balls_streamed(self, profile: Any, labelled: Any, *, radius: Any, eps_fraction: Any,
                              max_balls: Any, clip: Any, device: torch.device | str | None) -> None:
-        from pytest_dnnsafety.engines.reliability.sampler import _mix
+        from pytest_dnnsafety.engines.reliability.sampler import ball_rows
 
         # ---- centres: the operational inputs, a DataLoader (or held beside a streamed labelled set)
         self.device = torch.device("cpu") if device is None else torch.device(device)
@@ -303,11 +302,7 @@ class StreamedBalls:
         low, high = centres.scan(self.clip)
         n_all, d = centres.n, centres.dim
         self.n_operational = n_all
-        if max_balls is not None and check_count(max_balls, "max_balls", 1) < n_all:
-            gen = torch.Generator().manual_seed(_mix(self.seed, -2))
-            flat = torch.randperm(n_all, generator=gen)[: int(max_balls)].sort().values
-        else:
-            flat = torch.arange(n_all)
+        flat = ball_rows(n_all, max_balls, self.seed)
         m = int(flat.shape[0])
         input_shape = centres.input_shape
         # ---- labelled points: labels kept (small), inputs re-read per pass; r̂ by the block nested loop
