@@ -13,6 +13,8 @@ and the user's module is left as it was.
 
 from __future__ import annotations
 
+import copy
+import warnings
 import json
 import sys
 from dataclasses import dataclass
@@ -336,3 +338,27 @@ def test_a_pt2_project_runs_the_gates_with_evidence_of_the_program(gate_project:
         assert model["origin"]["settings"]["model"]["path"].endswith("digits.pt2")
         assert model["origin"]["settings"]["model"]["sha256"].startswith("sha256:")
     assert json.dumps(eager["coverage"]["details"]).count("activations_from") == 0
+
+
+def test_a_broken_program_or_wrong_labels_never_pass(case: Case, tmp_path: Path) -> None:
+    """Known answers on the deployed artifact: a program with a NaN weight errors on every gate, labels outside
+    its classes error on every label-reading gate, and a threshold it misses fails as the eager model does."""
+    if case.name != "digits_cnn":
+        pytest.skip("one model suffices for the known answers")
+    with warnings.catch_warnings():  # torch's own pytree spec warns on a deep copy of an exported module
+        warnings.simplefilter("ignore", FutureWarning)
+        broken = copy.deepcopy(case.exported)
+    with torch.no_grad():
+        next(p for p in broken.parameters() if p.ndim == 1).fill_(float("nan"))
+    results, _ = _evaluate_all(case, broken, tmp_path)
+    assert {name: r.status for name, r in results.items()} == dict.fromkeys(results, "error")
+    wrong = Case(case.name, case.eager, case.exported, case.x, case.y + 42, case.layers)
+    results, _ = _evaluate_all(wrong, case.exported, tmp_path)
+    for name in ("confusion", "bias", "risk"):
+        assert results[name].status == "error", (name, results[name].summary)
+        assert "class" in results[name].details.get("error", results[name].summary), name
+    settings = _settings(tmp_path, batch_size="32")
+    spec = parse_marker("min_neuron_k_activation", (1.0,), {**case.layers["neurons"], "k": 2}, "t.py::t")
+    got = evaluate(spec, {"model": case.exported, "data": (case.x, case.y)}, settings, "t.py::t", {})
+    want = evaluate(spec, {"model": case.eager, "data": (case.x, case.y)}, settings, "t.py::t", {})
+    assert got.status == want.status == "failed" and got.value == want.value < 1.0

@@ -25,7 +25,7 @@ from _streaming import FAMILIES, write_project
 from pytest_dnnsafety import ranks
 from pytest_dnnsafety.engines.reliability import BLOCK, ReliabilityAssessor, assess_reliability, streamed
 from pytest_dnnsafety.engines.reliability.sampler import block_size
-from pytest_dnnsafety.errors import DataError
+from pytest_dnnsafety.errors import DataError, MetricError
 
 D = 3 * 32 * 32  # a CIFAR-sized image: blocks of 256 samples
 SHAPE = (1, 48, 48)  # the tests' images: 2,304 values, blocks of 256 samples (the new stream), cheaper than CIFAR
@@ -235,3 +235,23 @@ def test_the_pmi_gate_streams_a_loader_of_images(pytester: pytest.Pytester, monk
     assert gates[0]["status"] in {"passed", "failed"}, gates[0]["summary"]
     record = json.loads((pytester.path / "ranksingle.json").read_text())
     assert record["loaded"]["pmi"] >= 60
+
+
+def test_streamed_balls_refuse_what_the_held_data_refuse() -> None:
+    """Streamed like held: a wrong model gets a high bound, labels outside the model's classes and NaN logits
+    are errors naming the fix (never a number)."""
+    x = _images(40, 2, (2, 4, 4))
+    y = (x.reshape(40, -1)[:, :8].mean(1) > 0.5).long()
+    base = dict(cells="balls", clip=(0.0, 1.0), samples_per_cell=200, bootstrap=0, seed=3, norm="linf")
+    centres = DataLoader(TensorDataset(x), batch_size=7)
+
+    def labelled(labels: torch.Tensor) -> DataLoader:
+        return DataLoader(TensorDataset(x, labels), batch_size=9)
+
+    right = _quiet(assess_reliability, _pixel_model, centres, labelled(1 - y), **base)
+    wrong = _quiet(assess_reliability, _pixel_model, centres, labelled(y), **base)  # wrong on every input
+    assert right.Ub < 0.2 and wrong.E > 0.8 and wrong.labelled_check["errors"] == 40
+    with pytest.raises(DataError, match="holds class 43 but the model has 2 classes"):
+        _quiet(assess_reliability, _pixel_model, centres, labelled(y + 42), **base)
+    with pytest.raises(MetricError, match="NaN/inf"):
+        _quiet(assess_reliability, lambda z: _pixel_model(z) * float("nan"), centres, labelled(y), **base)
