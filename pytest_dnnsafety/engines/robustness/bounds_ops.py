@@ -157,7 +157,23 @@ class LinearOp(Linear):
         return [torch.matmul(a, self.weight)], bias
 
 
-class ConvOp(Linear):
+class WeightedOp(Linear):
+    """A linear op ``x ↦ apply(x, W, b)`` (convolutions): forward with the bias, abs-forward with ``|W|``."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+    @abc.abstractmethod
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor: ...
+
+    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
+        return self._apply(xs[0], self.weight, self.bias if bias else None)
+
+    def abs_forward(self, rs: list[Tensor]) -> Tensor:
+        return self._apply(rs[0], self.weight.abs(), None)
+
+
+class ConvOp(WeightedOp):
     """``nn.Conv2d`` (any stride, padding, dilation, groups; zeros padding)."""
 
     def __init__(self, label: str, inputs: tuple[int, ...], in_shapes: Any, out_shape: Any,
@@ -176,20 +192,14 @@ class ConvOp(Linear):
                 pads.append(size - ((out - 1) * s - 2 * p + d * (k - 1) + 1))
             self.output_padding = (pads[0], pads[1])
 
-    def _conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-
-    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
-        return self._conv(xs[0], self.weight, self.bias if bias else None)
-
-    def abs_forward(self, rs: list[Tensor]) -> Tensor:
-        return self._conv(rs[0], self.weight.abs(), None)
 
     def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
         bs, k = a.shape[:2]
         in_shape = self.in_shapes[0]
         if self.output_padding is None:  # padding="same"/"valid": autograd transpose
-            out = _vjp(lambda z: self._conv(z, self.weight, None), a, in_shape)
+            out = _vjp(lambda z: self._apply(z, self.weight, None), a, in_shape)
         else:
             flat = a.reshape(bs * k, *self.out_shape)
             out = F.conv_transpose2d(flat, self.weight, None, self.stride, self.padding, self.output_padding,
@@ -392,7 +402,7 @@ class MaxPoolOp(Nonlinear):
         return out.reshape(bc, k, *self.in_shapes[0]), bias
 
 
-class ConvTransposeOp(Linear):
+class ConvTransposeOp(WeightedOp):
     """``nn.ConvTranspose2d`` (any stride, padding, dilation, groups, output padding; zeros padding).
 
     Its transpose is ``conv2d`` with the same weight, stride, padding, dilation and groups (the
@@ -413,15 +423,9 @@ class ConvTransposeOp(Linear):
         self.output_padding = tuple(out - ((size - 1) * s - 2 * p + d * (k - 1) + 1) for size, out, k, s, p, d in
                                     zip((h, w), out_shape[1:], (kh, kw), self.stride, self.padding, self.dilation))
 
-    def _convt(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.conv_transpose2d(x, weight, bias, self.stride, self.padding, self.output_padding, self.groups,
                                   self.dilation)
-
-    def forward(self, xs: list[Tensor], bias: bool = True) -> Tensor:
-        return self._convt(xs[0], self.weight, self.bias if bias else None)
-
-    def abs_forward(self, rs: list[Tensor]) -> Tensor:
-        return self._convt(rs[0], self.weight.abs(), None)
 
     def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
         bs, k = a.shape[:2]
@@ -430,7 +434,7 @@ class ConvTransposeOp(Linear):
         out = F.conv2d(flat, self.weight, None, self.stride, self.padding, self.dilation, self.groups)
         out = out[..., :in_shape[1], :in_shape[2]]
         if tuple(out.shape[1:]) != tuple(in_shape):  # pragma: no cover - the adjoint never comes out smaller
-            out = _vjp(lambda z: self._convt(z, self.weight, None), a, in_shape).reshape(bs * k, *in_shape)
+            out = _vjp(lambda z: self._apply(z, self.weight, None), a, in_shape).reshape(bs * k, *in_shape)
         bias = None
         if self.bias is not None:
             bias = torch.matmul(a.sum(dim=(3, 4)), self.bias)
