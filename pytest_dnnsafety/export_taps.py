@@ -40,7 +40,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["is_exported_module", "GraphLayers", "graph_layers", "layer_outputs", "TappedForward", "tapped_forward",
+__all__ = ["is_exported_module", "node_module_path", "GraphLayers", "graph_layers", "layer_outputs", "TappedForward", "tapped_forward",
            "ACTIVATIONS_FROM"]
 
 #: How the evidence names where an exported program's layer activations come from.
@@ -89,6 +89,13 @@ def _path(value: Any) -> str | None:
     path = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
     return None if not path or path.startswith("_empty_nn_module_stack") else path
+
+
+def node_module_path(node: torch.fx.Node) -> str:
+    """The innermost module the node's operation ran in, as ``named_modules()`` spells it ("" at top level)."""
+    paths = [_path(value) for value in (node.meta.get("nn_module_stack") or {}).values()]
+    paths = [path for path in paths if path]
+    return paths[-1] if paths else ""
 
 
 def _tensor_valued(node: torch.fx.Node) -> bool | None:

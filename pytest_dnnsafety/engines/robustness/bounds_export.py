@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ...export_taps import is_exported_module
+from ...export_taps import is_exported_module, node_module_path
 from .bounds_aten import HANDLERS, MODULE_OPS, TRANSLATED, Refused, bind, val
 
 __all__ = ["ExportTranslation", "is_exported", "translate_export", "export_mismatch", "bounds_model_note",
@@ -104,11 +104,6 @@ def _where(node: fx.Node) -> str:
     return f"from module {path!r} ({kind})" if path else f"from the model's own forward ({kind})"
 
 
-def _module_path(node: fx.Node) -> str:
-    stack = {k: v for k, v in (node.meta.get("nn_module_stack") or {}).items() if not k.startswith("_empty")}
-    return str(list(stack.values())[-1][0]) if stack else ""
-
-
 class _Translator:
     """One pass over the program's graph, building the new graph and its modules (see :func:`translate_export`)."""
 
@@ -130,7 +125,7 @@ class _Translator:
         for node in self.artifact.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
                     node.target.overloadpacket in MODULE_OPS:
-                wanted[node] = _module_path(node)
+                wanted[node] = node_module_path(node)
         paths = list(wanted.values())
         taken = set(paths)
         out = {}
