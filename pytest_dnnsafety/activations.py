@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .data import known_length
 from .errors import ConfigError, DataError, DnnSafetyError, MetricError
+from .tasks import BoxSet
 from .export_taps import ACTIVATIONS_FROM, graph_layers, is_exported_module, layer_outputs, tapped_forward
 
 __all__ = ["LayerActivations", "ModelOutputs", "ActivationCache", "capture", "check_layers", "layer_names",
@@ -86,6 +87,10 @@ class ModelOutputs:
     labels: Tensor | None
     num_classes: int | None
     logits: Tensor | None = None
+    #: a detector's pass: every image's detections, packed (:class:`~pytest_dnnsafety.tasks.BoxSet`); then
+    #: ``predictions``/``confidence`` are each image's top-scoring detection (-1 and 0 for an image without
+    #: one) and ``labels`` the packed targets (a BoxSet) or None
+    detections: Any = None
 
     @property
     def n_inputs(self) -> int:
@@ -250,7 +255,7 @@ def capture(
     if shard is None and batches is not None:
         shard = _batch_range(data, batch_size, batches)
     runner = Runner(WHAT, model=model, device=device, batch_size=batch_size, shard=shard)
-    guard = runner.guard(WHAT, labels_ok=True)
+    guard = runner.guard(WHAT, labels_ok=True, task="any")
     maxima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     minima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
@@ -301,7 +306,18 @@ def capture(
 
     def step(batch: Any) -> None:
         out = guard(model, batch.x) if tapped is None else run_tapped(batch.x)
-        if outputs is not None:
+        if outputs is not None and isinstance(out, BoxSet):  # a detector: keep its boxes, top detection per image
+            top = torch.full((batch.n,), -1.0, device=out.device).scatter_reduce(
+                0, out.image, out.scores.float(), reduce="amax", include_self=True)
+            best = (out.scores.float() == top[out.image]) & (top[out.image] >= 0)
+            label = torch.full((batch.n,), -1, dtype=torch.int64, device=out.device).scatter_reduce(
+                0, out.image[best], out.labels[best], reduce="amax", include_self=True)
+            preds.append(label)
+            confs.append(top.clamp_min(0.0))
+            raw.append(out)  # type: ignore[arg-type]
+            if batch.y is not None:
+                labels.append(batch.y)
+        elif outputs is not None:
             if out.ndim == 1:  # a label-returning model
                 preds.append(out.long())
                 confs.append(torch.ones(out.shape[0], device=out.device))
@@ -328,7 +344,11 @@ def capture(
             f"where rank {shard.rank} of {shard.world_size} expects rows {shard.rows[0]}..{shard.rows[1] - 1} "
             f"of {shard.n_rows}: the data's length or batches changed while it was read. Fix: give data of a "
             f"fixed length whose batches (except the last) all have the batch size")
-    if outputs is not None:
+    if outputs is not None and raw and isinstance(raw[0], BoxSet):
+        outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
+                                    BoxSet.cat(labels) if len(labels) == len(sizes) else None,  # type: ignore[arg-type]
+                                    guard.num_classes, None, BoxSet.cat(raw)))  # type: ignore[arg-type]
+    elif outputs is not None:
         outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
                                     torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes,
                                     torch.cat(raw) if len(raw) == len(sizes) else None))

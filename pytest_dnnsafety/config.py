@@ -44,7 +44,7 @@ class Setting:
     """One configurable value and its four spellings."""
 
     name: str
-    kind: str  # "source" | "path" | "int" | "bool" | "device" | "threads"
+    kind: str  # "source" | "path" | "int" | "bool" | "device" | "threads" | "task"
     default: Any
     help: str
     fix: str
@@ -67,6 +67,9 @@ class Setting:
     def dest(self) -> str:
         return f"dnnsafety_{self.name}"
 
+
+#: The tasks a model may have (see :mod:`pytest_dnnsafety.tasks`); setting ``task`` also takes ``auto``.
+TASK_NAMES = ("single-label", "multi-label", "detection")
 
 _SETTING_LIST = [
     Setting(
@@ -123,6 +126,11 @@ _SETTING_LIST = [
         "device for engines and the model: auto | cpu | cuda | cuda:N | mps",
         "use one of auto, cpu, cuda, cuda:N, mps",
     ),
+    Setting("task", "task", "auto",
+            "what the model does: single-label | multi-label | detection, or auto (inferred from the data's labels: "
+            "(N,) class indices, a (N, classes) 0/1 matrix, or boxes); each gate supports some tasks and refuses the "
+            "others (marker keyword task=)",
+            "use auto, single-label, multi-label or detection"),
     Setting("seed", "int", 0, "seed for every random choice the gates make (0 <= int <= 2**63-1)",
             "use a non-negative integer below 2**63 such as 1234", minimum=0, maximum=MAX_SEED),
     Setting("batch_size", "int", 256, "batch size of forward passes and engine updates (int >= 1)",
@@ -210,6 +218,11 @@ def _parse(setting: Setting, raw: Any) -> Any:
         raise ValueError("expected true or false")
     if kind == "device":
         return parse_device(raw)
+    if kind == "task":
+        text = str(raw).strip().lower().replace("_", "-")
+        if isinstance(raw, bool) or text not in ("auto", *TASK_NAMES):
+            raise ValueError(f"expected auto, {', '.join(TASK_NAMES)}")
+        return text
     if kind == "threads":
         text = str(raw).strip().lower()
         if text == "auto":

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from .errors import DataError
+from .tasks import BoxSet, DetectionData, as_boxset, check_multilabel, is_detection_output
 
-__all__ = ["as_tensors", "check_loader_order", "iter_batches", "known_length"]
+__all__ = ["as_tensors", "check_loader_order", "detection_source", "iter_batches", "known_length"]
 
 
 def check_loader_order(loader: torch.utils.data.DataLoader, what: str) -> None:
@@ -50,6 +51,9 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
     """
     x: Any
     y: Any = None
+    data = detection_source(data, what)
+    if isinstance(data, DetectionData):
+        return data.x if data.x.is_floating_point() else data.x.float(), data.targets  # type: ignore[return-value]
     if isinstance(data, torch.utils.data.DataLoader):
         check_loader_order(data, what)
         xs, ys = [], []
@@ -57,10 +61,12 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
             bx, by = _split_batch(batch)
             xs.append(torch.as_tensor(bx))
             if by is not None:
-                ys.append(torch.as_tensor(by))
+                ys.append(by if isinstance(by, BoxSet) else torch.as_tensor(by))
         if not xs:
             raise DataError(f"{what}: the DataLoader yielded no batches. Fix: give it a non-empty dataset.")
         x = torch.cat(xs)
+        if ys and isinstance(ys[0], BoxSet):
+            return (x if x.is_floating_point() else x.float()), BoxSet.cat(ys)  # type: ignore[return-value]
         y = torch.cat(ys) if ys else None
     elif isinstance(data, torch.utils.data.TensorDataset):
         x = data.tensors[0]
@@ -96,6 +102,8 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
             y = y.long()
         else:
             y = y.long()
+        if y.ndim == 2:  # multi-label: a (N, classes) 0/1 matrix
+            check_multilabel(y, what)
     return x, y
 
 
@@ -107,11 +115,16 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     order); tensors, arrays, ``(x, y)`` pairs, dicts and ``TensorDataset`` are sliced into
     ``batch_size`` rows.
     """
+    data = detection_source(data, "data")
     if isinstance(data, torch.utils.data.DataLoader):
         check_loader_order(data, "data")
         for batch in data:
             bx, by = _split_batch(batch)
-            yield torch.as_tensor(bx), (torch.as_tensor(by) if by is not None else None)
+            yield torch.as_tensor(bx), (by if by is None or isinstance(by, BoxSet) else torch.as_tensor(by))
+        return
+    if isinstance(data, DetectionData):
+        for start in range(0, len(data), batch_size):
+            yield data.batch(start, min(start + batch_size, len(data)))  # type: ignore[misc]
         return
     x, y = as_tensors(data)
     for start in range(0, x.shape[0], batch_size):
@@ -133,6 +146,8 @@ def known_length(data: Any) -> int | None:
             return int(n)
         if isinstance(data, torch.utils.data.TensorDataset):
             return int(data.tensors[0].shape[0])
+        if isinstance(data, DetectionData):
+            return len(data)
         if isinstance(data, Mapping) and "x" in data:
             data = data["x"]
         elif isinstance(data, (tuple, list)) and len(data) in (1, 2) and hasattr(data[0], "shape"):
@@ -153,10 +168,27 @@ def _is_scalar_list(data: Sequence[Any]) -> bool:
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)):
-        return batch[0], (batch[1] if len(batch) > 1 else None)
-    if isinstance(batch, Mapping):
-        return batch["x"], batch.get("y")
-    return batch, None
+        x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+    elif isinstance(batch, Mapping):
+        x, y = batch["x"], batch.get("y")
+    else:
+        return batch, None
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):  # torchvision: a list of images
+        x = torch.stack(list(x))
+    if y is not None and is_detection_output(y) and not isinstance(y, BoxSet):
+        y = as_boxset(list(y), len(y), "detection targets")
+    return x, y
+
+
+def detection_source(data: Any, what: str) -> Any:
+    """A dict with detection keys (``x``, ``boxes``, ``labels``, ``offsets``) as :class:`DetectionData`; else ``data``."""
+    if isinstance(data, Mapping) and "boxes" in data and "x" in data:
+        missing = [key for key in ("labels", "offsets") if key not in data]
+        if missing:
+            raise DataError(f"{what}: detection data need keys x, boxes, labels and offsets; {missing} missing. Fix: "
+                            "save offsets (N + 1,) so that image i's objects are rows offsets[i]:offsets[i+1].")
+        return DetectionData.from_offsets(data["x"], data["boxes"], data["labels"], data["offsets"], what)
+    return data
 
 
 def _to_tensor(value: Any, what: str, name: str) -> torch.Tensor:

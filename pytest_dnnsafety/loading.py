@@ -41,6 +41,7 @@ from typing import IO, Any, Callable
 
 import torch
 
+from .tasks import BoxSet, DetectionData
 from .archives import (
     NotValid,
     Refused,
@@ -491,8 +492,13 @@ def _load_data_setting(settings: Settings, name: str, what: str, made: Any = Non
 
 
 def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation data"
-                 ) -> torch.utils.data.TensorDataset | torch.utils.data.DataLoader:
+                 ) -> torch.utils.data.Dataset | torch.utils.data.DataLoader:
     """The data of setting ``name`` as a ``TensorDataset(x, y)`` (``(x,)`` when unlabelled).
+
+    ``y`` is ``(N,)`` class indices, or a ``(N, classes)`` 0/1 matrix for a multi-label task. Detection
+    data (keys ``x``, ``boxes``, ``labels``, ``offsets``: image i's objects are rows
+    ``offsets[i]:offsets[i+1]`` of ``boxes`` ``(M, 4)`` and ``labels`` ``(M,)``) come back as a
+    :class:`~pytest_dnnsafety.tasks.DetectionData`.
 
     ``dnnsafety_data`` (the labelled evaluation data) by default; also ``monitor_data`` (what runtime
     monitors are fitted on) and ``ood_data`` (novel classes). A factory that returns a ``DataLoader``
@@ -506,7 +512,11 @@ def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation
         if isinstance(made, torch.utils.data.DataLoader):
             check_loader_order(made, f"{what} (dnnsafety_{name}={resolved.value!r} from {resolved.source})")
             return made
+    if resolved.is_factory and isinstance(made, DetectionData):
+        return made
     x, y = _load_data_setting(settings, name, what, made if resolved.is_factory else None)
+    if isinstance(y, BoxSet):  # detection targets (.npz keys x, boxes, labels, offsets)
+        return DetectionData(x, y)
     return torch.utils.data.TensorDataset(x, y) if y is not None else torch.utils.data.TensorDataset(x)
 
 

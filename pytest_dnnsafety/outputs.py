@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .errors import MetricError
+from .tasks import bad_boxes, detections_from_output, is_detection_output
 
 __all__ = ["ForwardGuard", "check_deterministic", "describe_model", "eval_mode", "model_dtype_device", "probing"]
 
@@ -106,11 +107,19 @@ class ForwardGuard:
     ``what`` names the caller in messages (e.g. ``"max_pmi_ub: model on cell samples"``).
     ``num_classes``: the expected number of output columns, or ``None`` to take it from the first
     batch and then require it of every later batch. ``labels_ok``: also accept integer labels of
-    shape ``(batch,)`` (a classifier that returns its decision).
+    shape ``(batch,)`` (a classifier that returns its decision). ``task``: ``"single-label"`` and
+    ``"multi-label"`` expect ``(batch, classes)`` tensors; ``"detection"`` expects one dict of
+    boxes, scores and labels per image and returns them packed as a
+    :class:`~pytest_dnnsafety.tasks.BoxSet` (boxes finite, ``x2 >= x1``, labels inside the classes
+    when ``num_classes`` is given, flagged on the device); ``"any"`` takes either (a pass that reads
+    only layer activations). A detector's output given to a classifier's guard is an error naming
+    the task.
     """
 
-    def __init__(self, what: str, *, num_classes: int | None = None, labels_ok: bool = False) -> None:
+    def __init__(self, what: str, *, num_classes: int | None = None, labels_ok: bool = False,
+                 task: str = "single-label") -> None:
         self.what = what
+        self.task = task
         self.num_classes = num_classes
         self.labels_ok = labels_ok
         self.batches = 0
@@ -118,6 +127,7 @@ class ForwardGuard:
         self._bad_rows: Tensor | None = None
         self._rows = 0
         self._deterministic = False  # checked on this guard's first batch (see check_deterministic)
+        self._boxes = False
 
     # -- the forward pass
 
@@ -145,6 +155,10 @@ class ForwardGuard:
         if index is None:
             index = self.batches
             self.batches += 1
+        if is_detection_output(out):
+            return self._detections(out, x, index)
+        if self.task == "detection":
+            detections_from_output(out, x.shape[0], f"{self.what} (batch {index})")  # raises: not detections
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
             out = out[0]
         if not isinstance(out, Tensor):
@@ -192,6 +206,28 @@ class ForwardGuard:
         self._rows += batch
         return out
 
+    def _detections(self, out: Any, x: Tensor, index: int) -> Any:
+        if self.task not in ("detection", "any"):
+            raise MetricError(
+                f"{self.what}: on batch {index} the model returned detections (one dict of boxes, scores and labels "
+                f"per image): it is an object detector, and this pass needs a {self.task} classifier's (batch, "
+                "classes) scores. Fix: use a gate that supports task='detection' (min_detection_map, "
+                "min_detection_recall, occlusion, adversarial confidence, monitors, neuron and scene coverage), or "
+                "give this gate a classifier.")
+        boxes = detections_from_output(out, int(x.shape[0]), f"{self.what} (batch {index})")
+        bad = bad_boxes(boxes, self.num_classes)
+        count = bad.sum()
+        first = torch.where(count > 0, torch.full((), index, dtype=torch.int64, device=bad.device),
+                            torch.full((), _NONE, dtype=torch.int64, device=bad.device))
+        if self._first_bad is None:
+            self._first_bad, self._bad_rows = first, count
+        else:
+            self._first_bad = torch.minimum(self._first_bad.to(bad.device), first)
+            self._bad_rows = self._bad_rows.to(bad.device) + count
+        self._rows += int(x.shape[0])
+        self._boxes = True
+        return boxes
+
     # -- after the loop
 
     def check(self) -> None:
@@ -202,6 +238,12 @@ class ForwardGuard:
         if first == _NONE:
             return
         rows = int(self._bad_rows) if self._bad_rows is not None else 0
+        if self._boxes:
+            classes = f", or a label outside the {self.num_classes} classes" if self.num_classes else ""
+            raise MetricError(
+                f"{self.what}: the model's detections hold {rows} box(es) that are NaN/inf, have x2 < x1 or y2 < y1"
+                f"{classes} (of {self._rows} images); the first bad batch is batch {first}. Fix: check the detector's "
+                "box decoding (x1, y1, x2, y2 in pixels), its weights and the inputs' range.")
         raise MetricError(
             f"{self.what}: the model's outputs hold NaN/inf in {rows} of {self._rows} inputs; the first bad batch "
             f"is batch {first}. A metric computed from them would be meaningless. Fix: check the model's weights "
@@ -243,6 +285,13 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _first_tensor(out: Any) -> Tensor | None:
+    if is_detection_output(out):  # a detector: compare every image's boxes and scores, packed
+        try:
+            boxes = detections_from_output(out, len(out), "determinism probe")
+        except Exception:
+            return None
+        return torch.cat([boxes.boxes.reshape(-1), boxes.scores.reshape(-1).to(boxes.boxes.dtype),
+                          boxes.labels.to(boxes.boxes.dtype)])
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
         out = out[0]
     return out if isinstance(out, Tensor) else None

@@ -324,7 +324,7 @@ def test_required_param_and_regression_keywords_at_parse_time() -> None:
     with pytest.raises(MarkerError, match=r"argument max_rise: min_thing must reach its threshold \(>=\), so a "
                                           r"regression is a drop\. Fix: use max_drop=\.\.\. instead\."):
         parse_marker("min_thing", (0.5,), {"layer": "fc", "max_rise": 0.1}, "t.py::test", registry)
-    with pytest.raises(MarkerError, match="unknown keyword. Fix: use one of batch_size, device, layer, model, seed, "
+    with pytest.raises(MarkerError, match="unknown keyword. Fix: use one of batch_size, device, layer, model, seed, task, "
                                           "max_drop"):
         parse_marker("min_thing", (0.5,), {"layer": "fc", "lyer": 1}, "t.py::test", registry)
 

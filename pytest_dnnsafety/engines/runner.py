@@ -49,6 +49,7 @@ from torch import Tensor
 from .. import allocator, progress
 from ..data import check_loader_order, iter_batches, known_length
 from ..errors import DataError, MetricError
+from ..tasks import BoxSet, bad_boxes
 
 __all__ = ["Batch", "Runner", "model_device"]
 
@@ -208,6 +209,18 @@ class Runner:
                                 f"(x, y).")
             self.labelled = False
             return None
+        if isinstance(y, BoxSet):  # detection targets: packed boxes of the batch's images
+            if y.n_images != n:
+                raise DataError(f"{self.what}: batch {index} has {n} images but targets for {y.n_images}. Fix: give "
+                                f"one target dict per image.")
+            if self.labelled is None:
+                self.labelled = True
+            y = y.to(self.device, non_blocking=self.device.type != "cpu")
+            self.flag("boxes", bad_boxes(y), index,
+                      f"{self.what}: the target boxes are not finite, have x2 < x1 or y2 < y1, or a negative class in "
+                      "{count} batch(es), the first being batch {first}. Fix: give boxes as x1, y1, x2, y2 pixels "
+                      "and class indices >= 0.")
+            return y  # type: ignore[return-value]
         y = torch.as_tensor(y)
         if y.dim() == 0 or y.shape[0] != n:
             raise DataError(f"{self.what}: batch {index} has {n} inputs but labels of shape {tuple(y.shape)}. Fix: "
@@ -220,6 +233,10 @@ class Runner:
                       f"{self.what}: the labels are not integer class indices in {{count}} batch(es), the first "
                       "being batch {first}. Fix: give class indices (0, 1, ...) as labels.")
             y = torch.nan_to_num(y)
+        if y.dim() == 2:  # multi-label: a (batch, classes) 0/1 matrix
+            self.flag("labels", (y != 0) & (y != 1), index,
+                      f"{self.what}: the multi-label labels are not 0/1 in {{count}} batch(es), the first being batch "
+                      "{first}. Fix: give a (N, classes) matrix of 0 and 1.")
         return y.to(torch.int64)
 
     def check(self) -> None:
@@ -231,7 +248,7 @@ class Runner:
             values = torch.stack([torch.stack([f.count.cpu(), f.first.cpu()]) for f in self._flags.values()]).tolist()
             for (name, entry), (count, first) in zip(self._flags.items(), values):
                 if count:
-                    error = DataError if name in ("inputs", "labels") else MetricError
+                    error = DataError if name in ("inputs", "labels", "boxes") else MetricError
                     raise error(entry.message.format(count=count, first=first))
         for guard in self.guards:
             guard.check()

@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from ..config import SETTINGS, Settings, parse_setting
+from ..config import SETTINGS, TASK_NAMES, Settings, parse_setting
 from ..errors import ConfigError, DnnSafetyError, MarkerError
 from ..results import Measurement
 
@@ -39,7 +39,7 @@ class _Required:
 REQUIRED: Any = _Required()
 
 #: Settings every gate accepts as a marker keyword (they win over CLI, env and ini).
-COMMON_SETTINGS = ("seed", "device", "batch_size")
+COMMON_SETTINGS = ("seed", "device", "batch_size", "task")
 
 #: Regression limits every gate accepts against a stored baseline: op -> keyword.
 REGRESSION_KEYWORDS = {">=": "max_drop", "<=": "max_rise"}
@@ -186,6 +186,10 @@ class GateDef:
     #: under torchrun the gate splits its batches across the ranks and all-reduces its engine's states
     #: (:meth:`GateContext.shard`); otherwise every rank evaluates it whole
     shards: bool = False
+    #: the tasks (:data:`~pytest_dnnsafety.config.TASK_NAMES`) the gate can measure; a gate whose model or
+    #: data have another task (setting ``task``, marker keyword ``task=``, or inferred from the data) is an
+    #: error naming the task and the fix, before ``measure`` runs (``ctx.task`` holds the resolved task)
+    tasks: tuple[str, ...] = ("single-label",)
 
     @property
     def regression_keyword(self) -> str:
@@ -236,6 +240,9 @@ class GateDef:
                 out.append(f"Param {param.name!r}: types {param.types!r} must be a non-empty tuple of types")
             elif param.default is not REQUIRED and param.validate(param.default) is not None:
                 out.append(f"Param {param.name!r}: default {param.default!r}: {param.validate(param.default)}")
+        if (not isinstance(self.tasks, tuple) or not self.tasks
+                or not all(task in TASK_NAMES for task in self.tasks)):
+            out.append(f"tasks {self.tasks!r} must be a non-empty tuple of {', '.join(TASK_NAMES)}")
         for role in (*self.conditional, *self.optional):
             if role not in self.fixtures:
                 out.append(f"conditional/optional role {role!r} is not one of the fixtures {sorted(self.fixtures)}")
@@ -401,6 +408,10 @@ class GateContext:
     device: str
     batch_size: int
     cache: dict[str, Any] = field(default_factory=dict)
+    #: the model's task (``single-label``, ``multi-label``, ``detection``), resolved before ``measure`` runs
+    task: str = "single-label"
+    #: the ``task`` setting as resolved for this gate (marker keyword, CLI, env, ini or default ``auto``)
+    task_setting: Any = None
 
     def memo(self, name: str, objects: tuple[Any, ...], values: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
         """``compute()``'s result, computed once per session for these ``objects`` and ``values``.
@@ -499,9 +510,12 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
             fixtures[key] = value
         elif key in COMMON_SETTINGS:
             try:
-                parse_setting(key, value, f"marker @pytest.mark.{name}({key}=...)")
+                parsed = parse_setting(key, value, f"marker @pytest.mark.{name}({key}=...)")
             except ConfigError as exc:
                 raise fail(key, str(exc).split(". Fix: ")[0], str(exc).split(". Fix: ")[-1].rstrip(".")) from None
+            if key == "task" and parsed != "auto" and parsed not in gate.tasks:
+                raise fail(key, f"{name} does not support task {parsed!r}",
+                           f"{name} measures {', '.join(gate.tasks)} models; use a gate made for {parsed} models")
             overrides[key] = value
         elif key == own_limit:
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from ..errors import MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
+from ..config import TASK_NAMES
 from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range
 
 __all__ = ["K", "MIN_SCENE_COVERAGE", "pytest_dnnsafety_register_gates"]
@@ -56,6 +57,7 @@ MIN_SCENE_COVERAGE = GateDef(
     fixtures={"scenarios": "scenario_table", "data": "dataset"},
     optional={"data": "data"},
     measure=_measure_scene_coverage,
+    tasks=TASK_NAMES,  # reads no class scores: any model whose layers it can read
     doc="fail unless the scenario table covers at least `threshold` of all feasible k-way "
         "combinations of operating-condition values (Cheng et al. 2018, eq. 1)",
 )

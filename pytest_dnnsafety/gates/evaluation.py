@@ -91,7 +91,26 @@ def context_for(spec: GateSpec, settings: Settings) -> GateContext:
     resolved = {k: settings.get(k, spec.settings[k], marker=spec.marker) if k in spec.settings else settings.get(k)
                 for k in COMMON_SETTINGS}
     device = str(resolve_device(resolved["device"]))
-    return GateContext(settings, resolved["seed"].value, device, resolved["batch_size"].value)
+    return GateContext(settings, resolved["seed"].value, device, resolved["batch_size"].value,
+                       task_setting=resolved["task"])
+
+
+def resolve_task(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> str:
+    """The model's task for this gate: the marker keyword or setting, else inferred from its data; refused when the
+    gate does not support it (a :class:`~pytest_dnnsafety.errors.DataError` naming the task and the fix)."""
+    from ..tasks import SINGLE, infer_task, unsupported
+
+    setting = ctx.task_setting
+    gate = spec.definition
+    if setting is not None and setting.value != "auto":
+        task, source = setting.value, f"set by {setting.source}"
+    else:
+        inferred = infer_task(fixture_values["data"]) if "data" in fixture_values else None
+        task = inferred or SINGLE
+        source = "inferred from the data's labels" if inferred else "the default: no labels to infer it from"
+    if task not in gate.tasks:
+        raise unsupported(spec.marker, task, gate.tasks, source)
+    return task
 
 
 def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settings, nodeid: str,
@@ -124,6 +143,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         ctx = context_for(spec, settings)
         if cache is not None:
             ctx.cache = cache
+        ctx.task = resolve_task(spec, fixture_values, ctx)
         result.device = str(ctx.device)
         with warnings.catch_warnings(record=True) as caught:
             # An engine's warning (e.g. eps >= r-hat) becomes part of the evidence, not a crash under -W error.

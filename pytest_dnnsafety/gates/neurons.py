@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from ..errors import MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
+from ..config import TASK_NAMES
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
 from .coverage import K
 from .shared import activations_for
@@ -106,6 +107,7 @@ MIN_NEURON_K_ACTIVATION = GateDef(
     measure=_measure_neuron_k_activation,
     layers=lambda options: (options["layer"],),  # the shared forward pass captures it
     shards=True,
+    tasks=TASK_NAMES,  # reads no class scores: any model whose layers it can read
     doc="fail unless the data shows at least `threshold` of all on/off patterns of every k-tuple of "
         "neurons in `layer` (Cheng et al. 2018, eq. 2)",
 )
@@ -124,6 +126,7 @@ MAX_NEURON_PATTERN_DEVIATION = GateDef(
     measure=_measure_pattern_deviation,
     layers=lambda options: (options["layer"],),  # the shared forward pass captures it
     shards=True,
+    tasks=TASK_NAMES,  # reads no class scores: any model whose layers it can read
     doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
         "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",
 )
