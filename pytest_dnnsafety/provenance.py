@@ -100,14 +100,20 @@ def _data_tensors(obj: Any) -> tuple[list[tuple[str, Any]] | None, str]:
     """The named tensors of a data object and a description; (None, why) when not fingerprintable."""
     torch = _torch()
     data = torch.utils.data
+    from .tasks import DetectionData
+
     if isinstance(obj, data.DataLoader):
         inner = obj.dataset
-        if isinstance(inner, data.TensorDataset):
+        if isinstance(inner, (data.TensorDataset, DetectionData)):
             tensors, _ = _data_tensors(inner)
-            return tensors, ("the DataLoader's TensorDataset tensors (x, y); its batching and sampling "
+            return tensors, ("the DataLoader's dataset tensors; its batching and sampling "
                              "order are not part of the digest")
         return None, (f"a DataLoader over {type_name(inner)}: materialising its batches is not done for the "
                       "evidence; use a TensorDataset underneath to get a digest")
+    if isinstance(obj, DetectionData):
+        t = obj.targets
+        return ([("x", obj.x), ("boxes", t.boxes), ("labels", t.labels), ("offsets", t.offsets())],
+                "the detection data's images and targets (x, boxes, labels, offsets)")
     if isinstance(obj, data.TensorDataset):
         names = ["x", "y"] + [f"t{i}" for i in range(2, len(obj.tensors))]
         return list(zip(names, obj.tensors)), "the TensorDataset tensors (x, y)"

@@ -11,7 +11,7 @@ of it, :func:`bad_arguments` yields marker arguments ``parse_marker`` must refus
   :data:`PROBES` of each admitted type against ``Param.validate``; a probe whose check raises counts
   too: ``parse_marker`` must turn it into a MarkerError as well);
 * the arguments every gate takes: the threshold (wrong type, outside ``threshold_range``), the
-  common settings (``seed``, ``device``, ``batch_size``), the regression keyword and a fixture role.
+  common settings (``seed``, ``device``, ``batch_size``, ``task``), the regression keyword and a fixture role.
 
 Each case is ``(marker, argument, args, kwargs)``: a valid threshold plus the one bad keyword.
 """
@@ -96,6 +96,11 @@ def _common(gate: GateDef) -> Iterator[tuple[str, Any]]:
     yield "batch_size", 0
     yield "batch_size", "many"
     yield "batch_size", 2.5
+    yield "task", "segmentation"
+    yield "task", 3
+    for task in ("single-label", "multi-label", "detection"):
+        if task not in gate.tasks:  # a task the gate cannot measure: refused at collection
+            yield "task", task
     yield "batch_size", [8]
     yield gate.regression_keyword, -0.1
     yield gate.regression_keyword, "a lot"
