@@ -281,3 +281,16 @@ def test_neuron_and_scene_coverage_gates_measure_a_detector(tmp_path: Path) -> N
     spec = parse_marker("min_scene_coverage", (1.0,), {"k": 1, "data": "dataset"}, "t.py::test", GATES)
     result = evaluate(spec, {"scenarios": table, "data": data}, make_settings(tmp_path), "t.py::test", {})
     assert result.status == "passed", result.summary
+
+
+def test_the_runner_checks_the_labels_form_of_its_task() -> None:
+    x = torch.rand(3, 2)
+    multi = (x, torch.tensor([[0, 1], [1, 0], [1, 1]]))
+    with pytest.raises(DataError, match=r"labels of shape \(3, 2\) for 3 inputs; the task is 'single-label'"):
+        Runner("pass", task="single-label").run_local(multi, lambda batch: None)
+    with pytest.raises(DataError, match="the task is 'multi-label', which needs a \\(n, classes\\) 0/1 matrix"):
+        Runner("pass", task="multi-label").run_local((x, torch.tensor([0, 1, 1])), lambda batch: None)
+    with pytest.raises(DataError, match="boxes per image for 5 inputs; the task is 'single-label'"):
+        Runner("pass", task="single-label").run_local(_detection_data(), lambda batch: None)
+    Runner("pass", task="multi-label").run_local(multi, lambda batch: None)
+    Runner("pass", task="detection").run_local(_detection_data(), lambda batch: None)

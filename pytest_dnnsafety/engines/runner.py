@@ -105,12 +105,14 @@ class Runner:
     ``what`` names the pass in messages. ``labels``: ``"required"`` (an unlabelled batch is a
     :class:`DataError`), ``"optional"`` or ``"ignored"`` (labels are dropped; e.g. a monitor's
     unlabelled reference). ``shard``: this rank's share of the batches (``None``: all of them).
-    ``unit``: what :func:`pytest_dnnsafety.progress.tick` counts.
+    ``unit``: what :func:`pytest_dnnsafety.progress.tick` counts. ``task``: the labels' form is checked
+    for it (``single-label``: ``(n,)`` class indices; ``multi-label``: ``(n, classes)`` 0/1; ``detection``:
+    boxes per image), one check for every family instead of one per step; ``None``: any form.
     """
 
     def __init__(self, what: str, *, model: Any = None, device: torch.device | str = "cpu", batch_size: int = 256,
                  labels: Labels = "optional", shard: Any = None, unit: str = "inputs",
-                 check_inputs: bool = True) -> None:
+                 check_inputs: bool = True, task: str | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"{what}: batch_size={batch_size!r} is not a positive integer")
         if labels not in ("optional", "required", "ignored"):
@@ -121,6 +123,7 @@ class Runner:
         self.shard = shard
         self.unit = unit
         self.check_inputs = check_inputs
+        self.task = task
         self.device = model_device(model, device)
         self.guards: list[Any] = []
         self._flags: dict[str, _Flag] = {}
@@ -209,6 +212,17 @@ class Runner:
                                 f"(x, y).")
             self.labelled = False
             return None
+        if self.task is not None and (isinstance(y, BoxSet) != (self.task == "detection")
+                                      or (not isinstance(y, BoxSet)
+                                          and torch.as_tensor(y).dim() != (2 if self.task == "multi-label" else 1))):
+            form = ("boxes per image" if isinstance(y, BoxSet)
+                    else f"labels of shape {tuple(torch.as_tensor(y).shape)}")
+            expected = {"single-label": "one class index per input, shape (n,)",
+                        "multi-label": "a (n, classes) 0/1 matrix",
+                        "detection": "boxes and labels per image"}[self.task]
+            raise DataError(f"{self.what}: batch {index} has {form} for {n} inputs; the task is {self.task!r}, "
+                            f"which needs {expected}. Fix: give labels of that form, or set dnnsafety_task (marker "
+                            f"keyword task=) to the data's task.")
         if isinstance(y, BoxSet):  # detection targets: packed boxes of the batch's images
             if y.n_images != n:
                 raise DataError(f"{self.what}: batch {index} has {n} images but targets for {y.n_images}. Fix: give "

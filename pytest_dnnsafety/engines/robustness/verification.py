@@ -287,7 +287,7 @@ def verify_robustness(
     bounded = BoundedModel(model, max_memory=max_memory)
     dtype, model_device = model_dtype_device(model)
     target = model_device or torch.device(device)
-    runner = Runner("certified robustness", device=target, batch_size=batch_size, shard=shard)
+    runner = Runner("certified robustness", device=target, batch_size=batch_size, shard=shard, task="single-label")
     guard = runner.guard("certified robustness: model on the inputs")
     attack_guard = runner.guard("certified robustness: model on PGD attack points")
     # the engine keeps the counterexamples' points, so it is built on the first batch (when their shape is known)
@@ -298,9 +298,6 @@ def verify_robustness(
         if y is None:
             raise DataError("certified robustness needs labelled data (x, y): the data has no labels. Fix: give "
                             "(inputs, labels) pairs, a TensorDataset with labels, or {'x': ..., 'y': ...}.")
-        if y.dim() != 1:
-            raise DataError(f"certified robustness needs one integer class label per input; got labels of shape "
-                            f"{tuple(y.shape)} for inputs of shape {tuple(x.shape)}.")
         if dtype is not None:
             x = x.to(dtype)
         if state["engine"] is None:
