@@ -31,6 +31,14 @@ together with probability ≥ ``confidence``, whatever their dependence, so the 
 is at most ``U_all − L_g`` with probability ≥ ``confidence``; the intersection–union argument above
 makes the largest of them a sound gate over all groups.
 
+Other scores (:meth:`ScenarioPerformanceEngine.compute_scores`): precision, recall or F1, ``micro``
+or ``macro``, per group from per-input true/false positive and false negative counts (multi-label
+predicted sets, or one-hot single-label decisions; :mod:`pytest_dnnsafety.engines.multilabel`). Their
+``lower``/``drop_bound``/``overall_upper`` are *estimates* (``bound_kind="estimate"``): a seeded
+percentile bootstrap over inputs, made no tighter than a Clopper–Pearson bound with the inputs as
+trials; the result's ``accuracy`` then holds the score. A multi-label model's ``accuracy`` is subset
+accuracy (every class decided right), a proportion of inputs with the exact bound above.
+
 Coverage discount (the paper's perf × M_scene): ``M_scene`` here is eq. (1) restricted to the one
 condition subset ``by`` (k = ``len(by)``): the share of *feasible* groups (cells the declared
 restrictions allow) that hold ≥ 1 row — equal to ``ScenarioTable.coverage(k=len(by)).per_subset``'s
@@ -80,6 +88,8 @@ class GroupPerformance:
     assessable: bool
     recall: tuple[float | None, ...] | None = None
     class_sizes: tuple[int, ...] | None = None
+    #: with a score other than accuracy: the group's per-class values of that score (``per_class=True``)
+    per_class: tuple[float, ...] | None = None
 
     def label(self) -> str:
         """``lighting=night × noise=high``."""
@@ -93,6 +103,8 @@ class GroupPerformance:
         if self.recall is not None:
             out["recall"] = list(self.recall)
             out["class_sizes"] = list(self.class_sizes or ())
+        if self.per_class is not None:
+            out["per_class"] = list(self.per_class)
         return out
 
 
@@ -117,6 +129,17 @@ class ScenarioPerformanceResult:
     overall_upper: float  # one-sided Clopper–Pearson upper bound at (1 + confidence)/2
     scenario_coverage: float  # M_scene of the `by` subset: feasible groups with ≥ 1 row / feasible groups
     coverage_discounted: float  # accuracy × scenario_coverage
+    #: what ``accuracy`` holds: "accuracy" (multi-label: subset accuracy) or precision/recall/f1 (``average``)
+    score: str = "accuracy"
+    average: str | None = None
+    #: how ``lower``/``drop_bound``/``overall_upper`` were obtained (exact Clopper–Pearson, or a bootstrap estimate)
+    bound_method: str = "clopper-pearson one-sided"
+    #: an exact bound ("bound") or an approximate one ("estimate")
+    bound_kind: str = "bound"
+
+    @property
+    def score_name(self) -> str:
+        return self.score if self.average is None else f"{self.average} {self.score}"
 
     @property
     def assessable(self) -> tuple[GroupPerformance, ...]:
@@ -158,19 +181,23 @@ class ScenarioPerformanceResult:
 
     def detail(self) -> str:
         worst = self.worst
-        head = (f"worst group {worst.label()}: accuracy {worst.accuracy:.3f}, lower bound {worst.lower:.3f} "
-                f"({worst.correct}/{worst.size}, {self.confidence:.0%} one-sided Clopper–Pearson)"
+        name = self.score_name
+        how = (f"{worst.correct}/{worst.size}, {self.confidence:.0%} one-sided Clopper–Pearson"
+               if self.score == "accuracy" and worst is not None else
+               f"n={worst.size if worst is not None else 0}, {self.confidence:.0%} {self.bound_method}")
+        head = (f"worst group {worst.label()}: {name} {worst.accuracy:.3f}, lower bound {worst.lower:.3f} ({how})"
                 if worst is not None else f"no group has ≥ {self.min_samples} rows")
         counted = sum(1 for g in self.groups if g.feasible or g.size)
         return (f"{head}; overall {self.accuracy:.3f} (n={self.n}), {len(self.assessable)}/{counted} groups "
-                f"assessable; scenario coverage {self.scenario_coverage:.3f}, accuracy × coverage "
+                f"assessable; scenario coverage {self.scenario_coverage:.3f}, {name} × coverage "
                 f"{self.coverage_discounted:.3f}")
 
     def to_details(self) -> dict[str, Any]:
         worst = self.worst
         drop, drop_bound = self.largest_degradation("point"), self.largest_degradation("bound")
-        return {
-            "by": list(self.by), "confidence": self.confidence, "bound": "clopper-pearson one-sided",
+        out: dict[str, Any] = {
+            "by": list(self.by), "confidence": self.confidence, "bound": self.bound_method,
+            "bound_kind": self.bound_kind, "score": self.score, "average": self.average,
             "min_samples": self.min_samples, "n": self.n, "correct": self.correct, "accuracy": self.accuracy,
             "overall_upper": self.overall_upper, "scenario_coverage": self.scenario_coverage,
             "coverage_discounted": self.coverage_discounted,
@@ -184,6 +211,12 @@ class ScenarioPerformanceResult:
             "small_groups": [g.label() for g in self.small],
             "groups": [g.to_details() for g in sorted(self.groups, key=_sort_key)],
         }
+        if self.score != "accuracy":  # "accuracy" holds the score; counts of correct inputs do not apply
+            out["value_of"] = self.score_name
+            del out["correct"]
+            for row in out["groups"]:
+                del row["correct"]
+        return out
 
 
 def _cp_lower(k: Tensor, n: Tensor, confidence: float) -> Tensor:
@@ -330,6 +363,63 @@ class ScenarioPerformanceEngine(Engine):
             by=self.by, confidence=c, min_samples=self.min_samples, groups=tuple(groups), n=n, correct=k,
             accuracy=accuracy, overall_upper=upper_all, scenario_coverage=m_scene,
             coverage_discounted=accuracy * m_scene)
+
+
+    def compute_scores(self, group_index: Tensor, counts: Tensor, score: str, average: str, *,
+                       replicates: int = 2000, seed: int = 0, per_class: bool = False) -> ScenarioPerformanceResult:
+        """Precision, recall or F1 per group from per-input ``(N, 3, K)`` TP/FP/FN counts
+        (:func:`~pytest_dnnsafety.engines.multilabel.score_counts`), with bootstrap bounds.
+
+        The counts are not sum states (the bootstrap resamples inputs): a sharded caller gathers every rank's
+        rows first. ``lower`` is the more conservative of a percentile bootstrap over the group's inputs and
+        a Clopper–Pearson bound with the inputs as trials (:mod:`~pytest_dnnsafety.engines.multilabel`);
+        an estimate, not an exact bound. One bootstrap per group with rows (groups are few) plus the whole data.
+        """
+        from pytest_dnnsafety.engines.multilabel import bootstrap_bounds, scores
+        from pytest_dnnsafety.stats import clopper_pearson_lower, clopper_pearson_upper
+
+        group = group_index.reshape(-1).to(counts.device, torch.int64)
+        if group.shape[0] != counts.shape[0]:
+            raise DataError(f"group_index has {group.shape[0]} entries but counts {counts.shape[0]} rows")
+        n = int(group.shape[0])
+        if n == 0:
+            raise MetricError("no rows: every group is empty; the score per scenario needs data")
+        c, split = self.confidence, (1.0 + self.confidence) / 2.0
+        sums = torch.zeros((self.n_groups, *counts.shape[1:]), dtype=torch.int64, device=counts.device)
+        sums.index_add_(0, group, counts.to(torch.int64))
+        sizes = torch.bincount(group, minlength=self.n_groups).cpu()
+        value, per = (t.cpu() for t in scores(sums, score, average))
+        overall = float(scores(counts.sum(0), score, average)[0])
+        _, high = bootstrap_bounds(counts, score, average, levels=[split], replicates=replicates, seed=seed)
+        upper_all = max(float(high[0]), float(clopper_pearson_upper([math.ceil(overall * n - 1e-9)], [n], split)[0]))
+        order = torch.argsort(group, stable=True)
+        bounds = torch.split(order, sizes.tolist())  # each group's rows (a view per group, no row loop)
+        groups = []
+        for g, size in enumerate(sizes.tolist()):
+            key = dict(zip(self.by, (d[(g // s) % len(d)] for d, s in zip(self.domains, self.strides))))
+            lower = lower_split = None
+            v = float(value[g]) if size else None
+            if size:
+                low, _ = bootstrap_bounds(counts[bounds[g]], score, average, levels=[c, split], replicates=replicates,
+                                          seed=seed + 1 + g)
+                k = torch.tensor([math.floor(v * size + 1e-9)] * 2)
+                cp = torch.stack([clopper_pearson_lower(k[:1], [size], c), clopper_pearson_lower(k[1:], [size], split)])
+                lower, lower_split = (min(float(low[i]), float(cp[i])) for i in range(2))
+            groups.append(GroupPerformance(
+                index=g, key=key, size=size, correct=0, accuracy=v, lower=lower,
+                drop=overall - v if v is not None else None,
+                drop_bound=upper_all - lower_split if lower_split is not None else None,
+                feasible=bool(self.feasible[g]), assessable=size >= self.min_samples,
+                per_class=tuple(per[g].tolist()) if per_class and size else None))
+        feasible = self.feasible
+        m_scene = float(((sizes > 0) & feasible).sum()) / max(int(feasible.sum()), 1)
+        return ScenarioPerformanceResult(
+            by=self.by, confidence=c, min_samples=self.min_samples, groups=tuple(groups), n=n, correct=0,
+            accuracy=overall, overall_upper=upper_all, scenario_coverage=m_scene,
+            coverage_discounted=overall * m_scene, score=score, average=average,
+            bound_method=f"percentile bootstrap over inputs ({replicates} replicates, seeded) or Clopper–Pearson "
+                         "with inputs as trials, whichever is more conservative",
+            bound_kind="estimate")
 
 
 # ------------------------------------------------------------------ helpers (no scenarios import: duck-typed)

@@ -15,6 +15,17 @@ model's classes are an error (accuracy would be 0 everywhere, so nothing would "
 degradation with a single group holding every row is inconclusive (the data compared with itself).
 No torch import at module level.
 
+**Scores and multi-label models** (``tasks=("single-label", "multi-label")``). ``score="accuracy"``
+(default) is the share of inputs decided right — for a multi-label model *subset accuracy*, every
+class's decision right (a class is predicted when its probability, the sigmoid of a logit or the
+output itself, reaches ``decision_threshold``; ``outputs=`` says which) — with the exact
+Clopper–Pearson bounds. ``score="precision" | "recall" | "f1"`` with ``average="micro" | "macro"``
+(either kind of model; single-label decisions count as one-hot) gate a group's point value on
+``statistic="point"`` and a seeded bootstrap *estimate* of its bound (the details say
+``bound_kind: "estimate"``; :mod:`pytest_dnnsafety.engines.multilabel`); ``per_class=True`` adds each
+group's per-class values. ``decision_threshold``/``outputs`` on a single-label model are an error.
+A user ``metric=`` of a multi-label model receives the ``(N, K)`` 0/1 predicted sets and labels.
+
 Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
 batches, counts its rows' groups (the scenario table rows sliced alike) and the engine's counts are
 all-reduced (``sum``): the same counts, hence the same accuracies and Clopper–Pearson bounds, as one
@@ -27,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Mapping
 
-from ..errors import MetricError
+from ..errors import ConfigError, MetricError
 from ..hookspecs import hookimpl
 from ..results import Measurement
 from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from .inspection import _MULTI  # decision_threshold=, outputs= (multi-label only)
 from .shared import outputs_for
 
 __all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafety_register_gates"]
@@ -66,6 +78,10 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
         return out, extremes
 
     out, extremes = ranks.together(predict, sharded=shard is not None)
+    multi = ctx.task == "multi-label"
+    predicted, labels = _decisions(spec, out, multi, shard)
+    if multi or opts["score"] != "accuracy":
+        return _scored(spec, fx, ctx, table, shard, out, predicted, labels, multi)
     num_classes = None
     if opts["per_class"]:
         seen = ranks.gather(extremes) if shard is not None else [extremes]
@@ -97,6 +113,62 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
         labels = torch.cat([y for _, y in parts]).to(groups.device)
     user = _user_metric(opts["metric"], result, groups, predictions, labels)
     return result, user
+
+
+def _decisions(spec: GateSpec, out: Any, multi: bool, shard: Any) -> tuple[Any, Any]:
+    """(predictions, labels): class indices for a single-label model, the multi-hot predicted set and the 0/1
+    label matrix for a multi-label one; options that only a multi-label model reads are refused otherwise."""
+    from .inspection import output_kind, refuse_multilabel_options
+
+    opts = spec.options
+    refuse_multilabel_options(spec, multi)
+    if not multi:
+        return out.predictions, out.labels
+    from ..engines.multilabel import check_label_matrix, predicted_sets
+
+    k = check_label_matrix(out, spec.marker, spec.fixtures["data"])
+    threshold = 0.5 if opts["decision_threshold"] is None else opts["decision_threshold"]
+    if isinstance(threshold, (list, tuple)) and len(threshold) != k:
+        raise ConfigError(f"{spec.marker}: decision_threshold lists {len(threshold)} values but the model has {k} "
+                          "outputs. Fix: one number, or one per class in the model's output order.")
+    predicted = predicted_sets(out.logits, threshold, output_kind(spec, out.logits, shard))
+    if opts["per_class"] and opts["score"] == "accuracy":
+        raise ConfigError(f"{spec.marker}: per_class=True with score='accuracy' on a multi-label model: subset "
+                          "accuracy (all classes right) has no per-class value. Fix: score='recall', 'precision' "
+                          "or 'f1' with per_class=True, or drop per_class.")
+    return predicted.long(), out.labels.to(predicted.device).long()
+
+
+def _scored(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, table: Any, shard: Any, out: Any,
+            predicted: Any, labels: Any, multi: bool) -> tuple[Any, Any]:
+    """Subset accuracy of a multi-label model (exact Clopper–Pearson), or precision/recall/F1 of either kind
+    (bootstrap estimates; every rank's rows gathered first, the bootstrap resamples inputs)."""
+    import torch
+
+    from .. import ranks
+    from ..engines.multilabel import score_counts
+    from ..engines.performance import ScenarioPerformanceEngine
+
+    opts = spec.options
+    if shard is not None:  # not decomposable: every rank's rows in one tensor (as a user metric)
+        parts = ranks.gather((predicted.cpu(), labels.cpu()))
+        predicted = torch.cat([p for p, _ in parts]).to(out.predictions.device)
+        labels = torch.cat([y for _, y in parts]).to(out.predictions.device)
+    engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
+                                                  min_samples=opts["min_samples"], device=predicted.device)
+    groups = engine.group_index(table)
+    if opts["score"] == "accuracy":  # multi-label subset accuracy: a proportion of inputs, exact bound
+        engine.update(groups, (predicted == labels).all(1))
+        result = engine.compute()
+    else:
+        k = None
+        if not multi:
+            k = out.num_classes or int(torch.maximum(predicted.max(), labels.max())) + 1
+            out.check_labels(spec.fixtures["data"])
+        counts = score_counts(predicted, labels, k)
+        result = engine.compute_scores(groups, counts, opts["score"], opts["average"], replicates=opts["replicates"],
+                                       seed=ctx.seed, per_class=opts["per_class"])
+    return result, _user_metric(opts["metric"], result, groups, predicted, labels)
 
 
 def _user_metric(metric: Any, result: Any, groups: Any, predictions: Any, labels: Any) -> dict[str, Any] | None:
@@ -174,7 +246,10 @@ def _measure_degradation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
                f"construction, not by measurement. Fix: add evaluation data for the other groups of "
                f"by={list(result.by)}, or group by a condition whose values the data covers")
     what = "drop" if statistic == "point" else f"drop bound ({result.confidence:.0%}, U_all − L_group)"
-    detail = (f"largest {what} {group.label()}: accuracy {group.accuracy:.3f} ({group.correct}/{group.size}) vs "
+    if result.bound_kind != "bound" and statistic == "bound":
+        what += ", bootstrap estimate"
+    count = f"{group.correct}/{group.size}" if result.score == "accuracy" else f"n={group.size}"
+    detail = (f"largest {what} {group.label()}: {result.score_name} {group.accuracy:.3f} ({count}) vs "
               f"overall {result.accuracy:.3f} (n={result.n}); {len(result.assessable)}/{len(result.groups)} groups "
               f"assessable; scenario coverage {result.scenario_coverage:.3f}")
     if statistic == "point":
@@ -214,6 +289,13 @@ _COMMON = (
     Param("per_class", (bool,), False, None, "True adds each group's per-class recall to the details"),
     Param("metric", (type(None), Callable), None, None,
           "give a callable metric(predictions, labels) -> float to report per group (e.g. a macro F1)"),
+    Param("score", (str,), "accuracy", one_of("accuracy", "precision", "recall", "f1"),
+          "use 'accuracy' (multi-label: subset accuracy, all classes right), 'precision', 'recall' or 'f1'"),
+    Param("average", (str,), "micro", one_of("micro", "macro"),
+          "use 'micro' (counts pooled over classes) or 'macro' (mean of the per-class values)"),
+    *_MULTI,
+    Param("replicates", (int,), 2000, in_range(100, 10**6),
+          "give the bootstrap replicates of the precision/recall/F1 bounds, e.g. replicates=2000"),
 )
 _FIXTURES = {"model": "model", "data": "dataset", "scenarios": "scenario_table"}
 
@@ -225,6 +307,7 @@ MIN_SCENARIO_ACCURACY = GateDef(
     params=_COMMON,
     fixtures=_FIXTURES,
     measure=_measure_min_accuracy,
+    tasks=("single-label", "multi-label"),
     shards=True,
     doc="fail unless every scenario group of the `by` conditions has an accuracy whose one-sided Clopper–Pearson "
         "lower bound at `confidence` reaches `threshold` (Cheng et al. 2018, §II-E); groups below `min_samples` "
@@ -242,6 +325,7 @@ MAX_SCENARIO_DEGRADATION = GateDef(
                   "on that drop)")),
     fixtures=_FIXTURES,
     measure=_measure_degradation,
+    tasks=("single-label", "multi-label"),
     shards=True,
     doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
         "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "
