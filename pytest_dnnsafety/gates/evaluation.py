@@ -177,6 +177,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     result.value = value
     result.bound = bound
     result.details = dict(measurement.details)
+    result.details.setdefault("task", ctx.task)  # what kind of model the number is about
     if result.is_estimate:  # an estimate the marker asked for: labelled in every report
         result.metric += ESTIMATE_SUFFIX
     notes = sorted({str(w.message) for w in caught})
