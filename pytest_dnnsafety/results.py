@@ -128,10 +128,12 @@ class GateResult:
     def is_estimate(self) -> bool:
         """The compared number is an estimate the user asked for by name, not a sound bound.
 
-        A gate says so with ``details["statistic"] = "estimate"`` (e.g. ``min_safe_radius(statistic="estimate")``);
-        every report then labels it (:attr:`label`, and ``metric`` gets :data:`ESTIMATE_SUFFIX`).
+        A gate says so with ``details["statistic"] = "estimate"`` (e.g. ``min_safe_radius(statistic="estimate")``),
+        or with ``details["bound_kind"] = "estimate"`` when its confidence bound is a resampling estimate (a
+        bootstrap percentile of an F1 score or an mAP, which no exact interval covers); every report then labels
+        it (:attr:`label`, and ``metric`` gets :data:`ESTIMATE_SUFFIX`).
         """
-        return self.details.get("statistic") == "estimate"
+        return self.details.get("statistic") == "estimate" or self.details.get("bound_kind") == "estimate"
 
     @property
     def label(self) -> str:

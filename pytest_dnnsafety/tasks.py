@@ -55,8 +55,9 @@ def unsupported(marker: str, task: str, supported: Sequence[str], source: str) -
     fix = {
         DETECTION: "for a detector use min_detection_map, min_detection_recall, the occlusion, adversarial confidence, "
                    "monitor, neuron and scene coverage gates (they accept task='detection')",
-        MULTI: "for a multi-label classifier use the class confusion/bias, scenario performance (metric='micro_f1', "
-               "'macro_f1', 'precision', 'recall'), neuron and scene coverage gates",
+        MULTI: "for a multi-label classifier use max_class_confusion, max_class_bias, min_scenario_accuracy / "
+               "max_scenario_degradation (score='accuracy', 'precision', 'recall', 'f1'; average='micro'|'macro'), "
+               "neuron and scene coverage gates",
         SINGLE: "for a single-label classifier use the classifier gates",
     }[task]
     return DataError(

@@ -172,7 +172,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
     ok = compared is not None and (compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold)
     shown_op = gate.op if ok else ("<" if gate.op == ">=" else ">")
     label = "" if measurement.bound is None else " (bound)"
-    if measurement.details.get("statistic") == "estimate":
+    if measurement.details.get("statistic") == "estimate" or measurement.details.get("bound_kind") == "estimate":
         label += " (estimate)"
     result.value = value
     result.bound = bound
