@@ -294,3 +294,20 @@ def test_the_runner_checks_the_labels_form_of_its_task() -> None:
         Runner("pass", task="single-label").run_local(_detection_data(), lambda batch: None)
     Runner("pass", task="multi-label").run_local(multi, lambda batch: None)
     Runner("pass", task="detection").run_local(_detection_data(), lambda batch: None)
+
+
+def test_a_resampling_bound_is_labelled_an_estimate_in_every_report(tmp_path: Path) -> None:
+    from pytest_dnnsafety.gates import GateDef, GateRegistry
+    from pytest_dnnsafety.results import ESTIMATE_SUFFIX, Measurement
+
+    gate = GateDef(marker="min_boot", metric="bootstrap F1", op=">=", threshold_range=(0.0, 1.0), params=(),
+                   fixtures={}, doc="t", tasks=("multi-label",),
+                   measure=lambda spec, fx, ctx: Measurement(value=0.9, bound=0.8,
+                                                             details={"bound_kind": "estimate"}))
+    registry = GateRegistry()
+    registry.add(gate)
+    spec = parse_marker("min_boot", (0.5,), {"task": "multi-label"}, "t.py::test", registry)
+    result = evaluate(spec, {}, make_settings(tmp_path), "t.py::test", {})
+    assert result.status == "passed" and "(bound) (estimate)" in result.summary
+    assert result.metric.endswith(ESTIMATE_SUFFIX) and result.label == "min_boot (estimate)"
+    assert result.details["task"] == "multi-label"
