@@ -58,6 +58,7 @@ BUILTIN_FAMILIES = (
     "pytest_dnnsafety.gates.monitors",
     "pytest_dnnsafety.gates.inspection",
     "pytest_dnnsafety.gates.quantification",
+    "pytest_dnnsafety.gates.detection",
 )
 
 

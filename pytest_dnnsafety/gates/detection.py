@@ -1,0 +1,293 @@
+"""Built-in gate family: detection quality (``min_detection_map``, ``min_detection_recall``).
+
+The metric is COCO's bounding-box mean average precision (Lin et al. 2014, "Microsoft COCO: Common
+Objects in Context"; computed as pycocotools' ``COCOeval`` does, see
+:mod:`pytest_dnnsafety.engines.detection`) and per-class recall at a score threshold, per scenario
+group: with ``by=`` the images are grouped by the values of those conditions of the scenario table
+(every combination of their declared domains is a group; the worst group is gated), which is the
+scenario-based performance degradation of Cheng et al. 2018, §II-E, for a detector.
+
+The compared number is, by default, the worst group's *lower* bound of a percentile bootstrap over
+images (``statistic="bound"``; objects of one image are dependent, images are the independent
+units); ``statistic="estimate"`` compares the point estimate and says so. A bootstrap interval is an
+estimate of the sampling uncertainty, not a guaranteed-coverage bound. Groups with fewer than
+``min_images`` images, or without images, make the gate inconclusive unless
+``allow_small_groups=True`` leaves them out; a group whose images hold no ground-truth object has
+no mAP or recall and always makes it inconclusive; nothing assessable at all is an error. The
+model is run batch by batch (:class:`~pytest_dnnsafety.engines.runner.Runner`); each batch is
+matched at once and only per-detection records are kept. No torch import at module level.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import DataError, MetricError
+from ..hookspecs import hookimpl
+from ..results import Measurement
+from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+
+__all__ = ["MIN_DETECTION_MAP", "MIN_DETECTION_RECALL", "pytest_dnnsafety_register_gates"]
+
+COCO_RANGE = "0.5:0.95"
+
+
+def _thresholds(iou: Any) -> list[float] | None:
+    """The IoU thresholds of ``iou=`` (None for COCO's ten)."""
+    if isinstance(iou, str) and iou.strip() == COCO_RANGE:
+        return None
+    return [float(iou)]
+
+
+def _by(opts: Mapping[str, Any]) -> list[str]:
+    by = opts["by"]
+    return [] if by is None else [by] if isinstance(by, str) else list(by)
+
+
+def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds: list[float] | None) -> Any:
+    """Run the model over the data and match every batch: the filled DetectionEngine."""
+    import torch
+
+    from ..engines.detection import COCO_IOU_THRESHOLDS, DetectionEngine
+    from ..engines.runner import Runner
+    from ..outputs import eval_mode
+    from ..tasks import BoxSet
+
+    model, data = fx["model"], fx["data"]
+    engine = DetectionEngine(COCO_IOU_THRESHOLDS if thresholds is None else thresholds,
+                             max_detections=spec.options["max_detections"])
+    runner = Runner(spec.marker, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required")
+    guard = runner.guard(f"{spec.marker}: model on the images", task="detection", num_classes=None)
+
+    def step(batch: Any) -> None:
+        if not isinstance(batch.y, BoxSet):
+            raise DataError(f"{spec.marker}: the data (fixture {spec.fixtures['data']!r}) has no boxes: its labels "
+                            f"have shape {tuple(batch.y.shape)}. Fix: give detection data, an .npz with x, boxes, "
+                            "labels and offsets (or a DataLoader with collate_fn=tasks.detection_collate)")
+        engine.update(guard(model, batch.x), batch.y, batch.start)
+
+    with eval_mode(model), torch.no_grad():
+        runner.run(data, step)
+    return engine
+
+
+def _groups(spec: GateSpec, fx: Mapping[str, Any], n_images: int) -> list[tuple[str, Any, bool]]:
+    """``(label, image mask, feasible)`` per group of ``by`` (one group ``all`` without ``by``)."""
+    import torch
+
+    by = _by(spec.options)
+    if not by:
+        return [("all", torch.ones(n_images, dtype=torch.bool), True)]
+    from ..engines.performance import ScenarioPerformanceEngine, resolve_by
+    from ..scenarios import ScenarioTable, check_rows_match
+
+    table = fx["scenarios"]
+    if not isinstance(table, ScenarioTable):
+        raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, not a "
+                          "ScenarioTable. Fix: return pytest_dnnsafety.ScenarioTable(Conditions(...), rows)")
+    resolve_by(table, by)
+    check_rows_match(table, n_images, table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
+    grouping = ScenarioPerformanceEngine.from_table(table, by)
+    index = grouping.group_index(table).cpu()
+    out = []
+    for g in range(grouping.n_groups):
+        values = (d[(g // s) % len(d)] for d, s in zip(grouping.domains, grouping.strides))
+        label = " × ".join(f"{name}={value}" for name, value in zip(by, values))
+        out.append((label, index == g, bool(grouping.feasible[g])))
+    return out
+
+
+def _sort_groups(spec: GateSpec, fx: Mapping[str, Any], engine: Any) -> tuple[list[Any], list[str], list[str]]:
+    """(assessable groups, problems, small-group labels) — see the module docstring for the rules."""
+    opts = spec.options
+    _score, _label, _image, _m, gimage, _gl = engine.records()
+    objects = gimage.cpu()
+    assessable, small, no_gt = [], [], []
+    for label, mask, feasible in _groups(spec, fx, engine.n_images):
+        n = int(mask.sum())
+        if n == 0 and not feasible:
+            continue
+        if n < opts["min_images"]:
+            small.append(f"{label} ({n} images)")
+        elif not bool(mask[objects].any()):
+            no_gt.append(label)
+        else:
+            assessable.append((label, mask))
+    problems = []
+    if small and not opts["allow_small_groups"]:
+        problems.append(f"{len(small)} group(s) have fewer than min_images={opts['min_images']} images: "
+                        + ", ".join(small[:10]) + (", …" if len(small) > 10 else "")
+                        + ". Fix: add evaluation images for them, or accept them with allow_small_groups=True "
+                          "(they are then left out of the gated value)")
+    if no_gt:
+        problems.append(f"{len(no_gt)} group(s) hold no ground-truth object, so their "
+                        f"{'mAP' if spec.marker == 'min_detection_map' else 'recall'} is undefined: "
+                        + ", ".join(no_gt[:10]) + ". Fix: add annotated images with objects for them")
+    if not assessable:
+        raise MetricError(f"{spec.marker}: no group of by={_by(opts) or None} has min_images={opts['min_images']} "
+                          "images with at least one ground-truth object; nothing to assess"
+                          + ("; " + "; ".join(problems) if problems else "")
+                          + ". Fix: add annotated evaluation images or lower min_images")
+    return assessable, problems, small
+
+
+def _generator(ctx: GateContext, g: int) -> Any:
+    import torch
+
+    return torch.Generator().manual_seed((int(ctx.seed) * 1_000_003 + g) % (2**63))
+
+
+def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The worst group's mAP: its bootstrap lower bound (or its estimate, with statistic='estimate')."""
+    opts = spec.options
+    engine = _records(spec, fx, ctx, _thresholds(opts["iou"]))
+    groups, problems, small = _sort_groups(spec, fx, engine)
+    rows = []
+    for g, (label, mask) in enumerate(groups):
+        res = engine.evaluate(mask, bootstrap=opts["bootstrap"], confidence=opts["confidence"],
+                              generator=_generator(ctx, g))
+        rows.append({"group": label, "map": res.map, "map50": res.map50, "lower": res.lower, "upper": res.upper,
+                     "images": res.images, "objects": res.objects, "detections": res.detections,
+                     "class_ap": {str(c): v for c, v in res.class_ap().items()}})
+    key = "lower" if opts["statistic"] == "bound" else "map"
+    worst = min(rows, key=lambda r: (r[key], r["map"]))
+    iou = "[.5:.95]" if _thresholds(opts["iou"]) is None else f"@{float(opts['iou']):g}"
+    gated = "bootstrap lower bound" if key == "lower" else "estimate (statistic='estimate', no bound compared)"
+    detail = (f"worst group {worst['group']}: mAP{iou} {worst['map']:.3f}, {opts['confidence']:.0%} {gated} "
+              f"{worst['lower']:.3f} ({worst['images']} images, {worst['objects']} objects, {opts['bootstrap']} "
+              f"replicates); {len(rows)} group(s) assessed")
+    details = {"iou": str(opts["iou"]), "statistic": opts["statistic"], "confidence": opts["confidence"],
+               "bootstrap": opts["bootstrap"], "bound": "percentile bootstrap over images (an estimate, not exact)",
+               "by": _by(opts), "max_detections": opts["max_detections"], "min_images": opts["min_images"],
+               "worst_group": worst["group"], "small_groups": small, "map_groups": rows}
+    bound = worst["lower"] if key == "lower" else None
+    return Measurement(value=worst["map"], bound=bound, detail=detail, details=details,
+                       inconclusive="; ".join(problems) or None)
+
+
+def _measure_recall(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The worst (group, class) recall at the score threshold — or the worst group's, per_class=False."""
+    opts = spec.options
+    engine = _records(spec, fx, ctx, [float(opts["iou"])])
+    groups, problems, small = _sort_groups(spec, fx, engine)
+    rows, candidates = [], []
+    for g, (label, mask) in enumerate(groups):
+        res = engine.recall(mask, score_threshold=float(opts["score_threshold"]), bootstrap=opts["bootstrap"],
+                            confidence=opts["confidence"], generator=_generator(ctx, g))
+        classes = [{"class": c, "recall": float(res.recall[i]), "lower": float(res.lower[i]),
+                    "objects": res.class_objects[i]} for i, c in enumerate(res.classes)]
+        rows.append({"group": label, "recall": res.overall, "lower": res.overall_lower, "images": res.images,
+                     "objects": res.objects, "classes": classes})
+        if opts["per_class"]:
+            candidates += [(label, f"class {c['class']}", c) for c in classes]
+        else:
+            candidates.append((label, "all classes", rows[-1]))
+    key = "lower" if opts["statistic"] == "bound" else "recall"
+    label, what, worst = min(candidates, key=lambda t: (t[2][key], t[2]["recall"]))
+    gated = "bootstrap lower bound" if key == "lower" else "estimate (statistic='estimate', no bound compared)"
+    detail = (f"worst {label}, {what}: recall {worst['recall']:.3f} at score ≥ {opts['score_threshold']:g}, IoU ≥ "
+              f"{float(opts['iou']):g}; {opts['confidence']:.0%} {gated} {worst['lower']:.3f} ({worst['objects']} "
+              f"objects); {len(rows)} group(s) assessed")
+    details = {"iou": float(opts["iou"]), "score_threshold": opts["score_threshold"], "per_class": opts["per_class"],
+               "statistic": opts["statistic"], "confidence": opts["confidence"], "bootstrap": opts["bootstrap"],
+               "bound": "percentile bootstrap over images (an estimate, not exact)", "by": _by(opts),
+               "worst_group": label, "worst_class": what, "small_groups": small, "recall_groups": rows}
+    bound = worst["lower"] if key == "lower" else None
+    return Measurement(value=worst["recall"], bound=bound, detail=detail, details=details,
+                       inconclusive="; ".join(problems) or None)
+
+
+# ------------------------------------------------------------------------------------- marker keywords
+
+
+def _by_check(value: Any) -> str | None:
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        return f"{value!r} must be a condition name or a non-empty list of them"
+    if len(set(names)) != len(names):
+        return f"{value!r} names a condition twice"
+    return None
+
+
+def _iou_map(value: Any) -> str | None:
+    if isinstance(value, str):
+        if value.strip() == COCO_RANGE:
+            return None
+        try:
+            value = float(value)
+        except ValueError:
+            return f"{value!r} is neither '0.5:0.95' nor a number"
+    return None if 0 < value <= 1 else f"{value!r} is outside (0, 1]"
+
+
+def _iou_single(value: Any) -> str | None:
+    return None if 0 < value <= 1 else f"{value!r} is outside (0, 1]"
+
+
+def _open_unit(value: Any) -> str | None:
+    return None if 0 < value < 1 else f"{value!r} must lie strictly between 0 and 1"
+
+
+_COMMON = (
+    Param("by", (str, list, tuple, type(None)), None, _by_check,
+          "name the scenario table's condition(s) to group the images by, e.g. by=\"lighting\" or by=[\"lighting\", "
+          "\"weather\"]; leave it out to assess all images as one group"),
+    Param("confidence", (float,), 0.95, _open_unit,
+          "give the one-sided confidence of the bootstrap bound strictly between 0 and 1, e.g. 0.95"),
+    Param("bootstrap", (int,), 1000, in_range(100, 10**6),
+          "give the number of bootstrap replicates over images, at least 100, e.g. bootstrap=1000"),
+    Param("statistic", (str,), "bound", one_of("bound", "estimate"),
+          "use 'bound' (the bootstrap lower bound is compared) or 'estimate' (the point estimate is compared)"),
+    Param("min_images", (int,), 30, in_range(1, 10**9),
+          "give the images a group needs to be assessed, a positive integer, e.g. min_images=30"),
+    Param("allow_small_groups", (bool,), False, None,
+          "True leaves groups below min_images (or without images) out of the gate instead of failing it"),
+    Param("max_detections", (int,), 100, in_range(1, 10**6),
+          "give the detections kept per image and class, by score (COCO: 100)"),
+)
+_FIXTURES = {"model": "model", "data": "dataset", "scenarios": "scenario_table"}
+
+MIN_DETECTION_MAP = GateDef(
+    marker="min_detection_map",
+    metric="worst scenario group detection mAP",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=(Param("iou", (str, float), COCO_RANGE, _iou_map,
+                  "give iou='0.5:0.95' (COCO's mAP over ten IoU thresholds), '0.5' or a number in (0, 1]"),
+            *_COMMON),
+    fixtures=_FIXTURES,
+    conditional={"scenarios": "by"},
+    measure=_measure_map,
+    tasks=("detection",),
+    doc="fail unless every scenario group of `by` (or all images) has a COCO mAP (Lin et al. 2014) whose "
+        "bootstrap lower bound over images at `confidence` reaches `threshold` (scenario-based degradation, Cheng "
+        "et al. 2018, §II-E); small groups are inconclusive unless allowed",
+)
+
+MIN_DETECTION_RECALL = GateDef(
+    marker="min_detection_recall",
+    metric="worst scenario group detection recall",
+    op=">=",
+    threshold_range=(0.0, 1.0),
+    params=(Param("score_threshold", (int, float), 0.5, in_range(0.0, 1.0),
+                  "give the score a detection needs to count, in [0, 1], e.g. score_threshold=0.5"),
+            Param("iou", (float,), 0.5, _iou_single, "give the IoU a match needs, a number in (0, 1], e.g. 0.5"),
+            Param("per_class", (bool,), True, None,
+                  "True gates the worst class of the worst group; False each group's recall over all classes"),
+            *_COMMON),
+    fixtures=_FIXTURES,
+    conditional={"scenarios": "by"},
+    measure=_measure_recall,
+    tasks=("detection",),
+    doc="fail unless every scenario group of `by` (or all images) finds each class's objects (IoU ≥ `iou`, score "
+        "≥ `score_threshold`) with a recall whose bootstrap lower bound reaches `threshold` (Cheng et al. 2018, "
+        "§II-E)",
+)
+
+
+@hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
+def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
+    registry.add(MIN_DETECTION_MAP)
+    registry.add(MIN_DETECTION_RECALL)
