@@ -20,7 +20,10 @@ and nothing is recomputed. It holds:
   loss and robust accuracy per perturbation family) and the counts ``verified``, ``falsified`` and
   ``unknown`` (verified robustness: one bar split by verdict), ``faults`` (monitor detection: a
   fault family × severity heat map of ``details["metric"]``, one per monitor when the entries name
-  one) and ``ranking`` (monitors ranked over benchmarks: Demšar's critical-difference diagram).
+  one), ``ranking`` (monitors ranked over benchmarks: Demšar's critical-difference diagram),
+  ``map_groups`` (detection mAP: one bar per scenario group with its bootstrap interval and the gated
+  lower bound marked) and ``type2_matrix`` with ``classes`` (multi-label class confusion: the K × K
+  type-2 pair matrix as a heat map, undefined pairs grey).
 
 Self-contained: the plots are inline SVG (matplotlib, Agg backend, text as ``<text>``, the XML
 prologue and namespace URLs removed, ids made unique per plot), styles and the small script are
@@ -136,7 +139,8 @@ def _scalar(value: Any) -> bool:
 
 # -- the page ---------------------------------------------------------------------------------
 
-_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families", "faults", "ranking")
+_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families", "faults", "ranking", "map_groups",
+            "type2_matrix")
 
 
 def _inputs(inputs: Any) -> list[dict[str, Any]]:

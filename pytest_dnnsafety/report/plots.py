@@ -413,6 +413,82 @@ def _cd_diagram(ranking: dict[str, Any], prefix: str) -> tuple[str, str]:
     return title, _svg(fig, prefix)
 
 
+def _map_bars(rows: list[Any], prefix: str, confidence: float | None) -> tuple[str, str]:
+    """min_detection_map: one bar per scenario group (point mAP), the bootstrap interval as an error bar and
+    its lower bound (the gated number) as a marker; the worst group's bar is red."""
+    import numpy as np
+
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("map_groups is not a non-empty list of groups")
+    names = [_short(r.get("group", "?"), 22) for r in rows]
+    point = np.asarray([_number(r.get("map")) if _number(r.get("map")) is not None else np.nan for r in rows])
+    lower = np.asarray([_number(r.get("lower")) if _number(r.get("lower")) is not None else np.nan for r in rows])
+    upper = np.asarray([_number(r.get("upper")) if _number(r.get("upper")) is not None else np.nan for r in rows])
+    if not np.isfinite(point).any():
+        raise ValueError("no group has a finite mAP")
+    ranked = np.where(np.isfinite(lower), lower, point)
+    worst = int(np.nanargmin(ranked))
+    fig = _figure(min(2.6 + 0.6 * len(rows), 11), 3.0)
+    ax = fig.subplots()
+    x = np.arange(len(rows))
+    colours = [_RED if i == worst else "#0969da" for i in range(len(rows))]
+    ax.bar(x, np.nan_to_num(point), width=0.7, color=colours, alpha=0.85, label="mAP (estimate)")
+    has = np.isfinite(lower) & np.isfinite(upper) & np.isfinite(point)
+    if has.any():
+        err = np.vstack([np.clip(point - lower, 0, None), np.clip(upper - point, 0, None)])[:, has]
+        ax.errorbar(x[has], point[has], yerr=err, fmt="none", ecolor="#24292f", elinewidth=1, capsize=3,
+                    label="bootstrap interval")
+        level = f"{confidence:.0%} " if confidence is not None else ""
+        ax.scatter(x[has], lower[has], marker="_", s=220, linewidths=2.2, color="#24292f", zorder=3,
+                   label=f"{level}lower bound (gated)")
+    ax.set_xticks(x, names, rotation=30 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("mAP")
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=7, frameon=False)
+    bound = "" if not np.isfinite(lower[worst]) else f", lower bound {lower[worst]:.3f}"
+    title = (f"mAP per scenario group ({len(rows)}): the worst is {rows[worst].get('group', '?')}, "
+             f"{point[worst]:.3f}{bound}")
+    return title, _svg(fig, prefix)
+
+
+def _type2_heatmap(matrix: list[Any], classes: list[Any], prefix: str) -> tuple[str, str]:
+    """max_class_confusion (multi-label ground truth): the K × K type-2 pair matrix, undefined pairs grey."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    grid = np.asarray([[_number(v) if _number(v) is not None else np.nan for v in row] for row in matrix],
+                      dtype=float)
+    k = len(classes)
+    if grid.ndim != 2 or grid.shape != (k, k) or k == 0:
+        raise ValueError(f"type2_matrix of shape {grid.shape} does not match {k} classes")
+    names = [_short(c, 14) for c in classes]
+    cmap = colormaps["Reds"].with_extremes(bad=_GREY)
+    fig = _figure(min(2.4 + 0.42 * k, 11), min(1.8 + 0.36 * k, 10))
+    ax = fig.subplots()
+    mesh = ax.pcolormesh(np.ma.masked_invalid(grid), cmap=cmap, norm=Normalize(0.0, 1.0), edgecolors="white",
+                         linewidth=1)
+    ax.set_xticks(np.arange(k) + 0.5, names, rotation=45 if k > 3 else 0, ha="right" if k > 3 else "center")
+    ax.set_yticks(np.arange(k) + 0.5, names)
+    ax.invert_yaxis()
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if k * k <= MAX_ANNOTATED_CELLS:
+        for (i, j), value in np.ndenumerate(grid):
+            text = "–" if not math.isfinite(value) else f"{value:.2f}"
+            ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=6,
+                    color="white" if math.isfinite(value) and value > 0.6 else "#24292f")
+    fig.colorbar(mesh, ax=ax, shrink=0.9, label="type-2 confusion (higher is worse)")
+    finite = np.isfinite(grid)
+    title = f"type-2 confusion per class pair ({k} classes, {int(finite.sum())} defined cells)"
+    if finite.any():
+        i, j = np.unravel_index(int(np.nanargmax(grid)), grid.shape)
+        title += f"; worst pair {classes[i]} / {classes[j]}, {grid[i, j]:.3f}"
+    return title, _svg(fig, prefix)
+
+
 def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], list[str]]:
     """(plots, notes): every plot the details allow; a malformed entry becomes a note."""
     import matplotlib  # Figure objects draw without pyplot: no GUI backend is ever selected
@@ -453,4 +529,10 @@ def _plots(details: dict[str, Any], index: int) -> tuple[list[dict[str, str]], l
                 attempt(kind, draw)
         if isinstance(details.get("ranking"), dict):
             attempt("ranking", lambda: _cd_diagram(details["ranking"], f"g{index}r"))
+        if isinstance(details.get("map_groups"), list):
+            level = _number(details.get("confidence"))
+            attempt("map_groups", lambda: _map_bars(details["map_groups"], f"g{index}m", level))
+        if isinstance(details.get("type2_matrix"), list) and isinstance(details.get("classes"), list):
+            attempt("type2_matrix",
+                    lambda: _type2_heatmap(details["type2_matrix"], details["classes"], f"g{index}t"))
     return plots, notes
