@@ -13,7 +13,15 @@ the object whose occlusion breaks the prediction is fragility to partial occlusi
 ``min_occlusion_sensitivity`` asks that the object matter at all (a model that reads the
 context keeps its prediction wherever the object is occluded, so its M_OccSen is near 0).
 
-No signal, no pass: a gate is *inconclusive* when the model's probability of the original class is
+Detectors (``task='detection'``): per ground-truth object, the heat map is the object's matched score
+(the best same-class detection with IoU ≥ ``iou``) on the occluded image, and the occluding positions
+overlap the object's box (or its own mask when ``masks`` holds one ``(M, H, W)`` mask per object); see
+:mod:`..engines.occlusion_detection`. An object the detector misses on the clean image counts with every
+position hot (eq. 5: it lowers M_interpret and raises M_OccSen), and with M_OccSen 0 for
+``min_occlusion_sensitivity``: a detector that finds nothing fails every occlusion gate. The masks
+fixture is optional for detectors (the boxes stand in).
+
+No signal, no pass: a classifier's gate is *inconclusive* when the model's probability of the original class is
 below ``rho`` on every input before any occlusion (every position is hot: the value is the masks'
 geometry), and ``min_interpretation_precision`` also when, under ``no_hot='one'``/``'zero'``, no input
 has a hot position (every input scores the convention).
@@ -47,6 +55,10 @@ def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     from ..engines.occlusion import assess_occlusion
 
     o = spec.options
+    if ctx.task == "detection":
+        return _detector_occlusion(spec, fx, ctx)
+    if "masks" not in fx:  # the role is optional for detectors (their boxes stand in); a classifier needs masks
+        ctx.settings.require("masks", "the segmentation masks (fixture `masks`)")
     options = {"size": _pair(o["size"]), "stride": _pair(o["stride"]), "fill": o["fill"], "rho": float(o["rho"]),
                "target": o["target"], "no_hot": o["no_hot"], "empty_mask": o["empty_mask"],
                "outputs": o["outputs"], "max_batch": o["max_batch"]}
@@ -56,12 +68,42 @@ def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
                                              device=ctx.device, shard=ctx.shard(fx["data"]), **options))
 
 
+def _detector_occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """A detector's occlusion measurement per ground-truth object (shared between the gates)."""
+    from ..engines.occlusion_detection import assess_detector_occlusion
+
+    o = spec.options
+    if o["outputs"] != "auto":
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{spec.marker}: outputs={o['outputs']!r} is for classifiers; a detector's heat map is its "
+                          "matched detection score (task='detection'). Fix: drop outputs= for a detector.")
+    masks = fx.get("masks")
+    options = {"size": _pair(o["size"]), "stride": _pair(o["stride"]), "fill": o["fill"], "rho": float(o["rho"]),
+               "target": o["target"], "no_hot": o["no_hot"], "empty_mask": o["empty_mask"], "iou": float(o["iou"]),
+               "max_batch": o["max_batch"]}
+    return ctx.memo("occlusion (detection)", (fx["model"], fx["data"], masks),
+                    (tuple(options.items()), ctx.batch_size, ctx.device),
+                    lambda: assess_detector_occlusion(fx["model"], fx["data"], masks, batch_size=ctx.batch_size,
+                                                      device=ctx.device, shard=ctx.shard(fx["data"]), **options))
+
+
 def _setup(spec: GateSpec) -> str:
     o = spec.options
     h, w = _pair(o["size"])
     sh, sw = _pair(o["stride"])
     fill = o["fill"] if isinstance(o["fill"], str) else f"{o['fill']:g}"
     return f"occluder {h}x{w}, stride {sh}x{sw}, fill {fill}, ρ={o['rho']:g}, {o['target']} class"
+
+
+def _detector_setup(spec: GateSpec, result: Any) -> str:
+    o = spec.options
+    h, w = _pair(o["size"])
+    sh, sw = _pair(o["stride"])
+    fill = o["fill"] if isinstance(o["fill"], str) else f"{o['fill']:g}"
+    return (f"occluder {h}x{w}, stride {sh}x{sw}, fill {fill}, ρ={o['rho']:g}, per ground-truth object (matched "
+            f"score, IoU ≥ {o['iou']:g}; occluding = {result.setup['occluding']}); {result.below_rho} of {result.n} "
+            "objects missed on the clean image")
 
 
 def _all_by_convention(spec: GateSpec, metric: str, result: Any) -> str | None:
@@ -89,6 +131,8 @@ def _all_by_convention(spec: GateSpec, metric: str, result: Any) -> str | None:
 def _measure(metric: str, label: str) -> Any:
     def measure(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
         result = _occlusion(spec, fx, ctx)
+        if ctx.task == "detection":
+            return _measure_detector(spec, metric, label, result)
         aggregate = spec.options["aggregate"]
         value = result.value(metric, aggregate)
         details = {**result.to_details(), "gated": f"M_{metric}", "aggregate": aggregate}
@@ -97,6 +141,24 @@ def _measure(metric: str, label: str) -> Any:
 
     measure.__doc__ = f"{label} (Cheng et al. 2018, §II-F/G, eq. 5) aggregated over the inputs."
     return measure
+
+
+def _measure_detector(spec: GateSpec, metric: str, label: str, both: Any) -> Measurement:
+    """A detector's value: eq. (5) per object; ``min_occlusion_sensitivity`` reads missed objects as M_OccSen 0.
+
+    Never inconclusive for missing every object (that is the detector's failure, measured); inconclusive only
+    under ``no_hot='one'``/``'zero'`` when no object has a hot position (the convention, not the detector)."""
+    result = both.strict if spec.marker == "min_occlusion_sensitivity" else both.result
+    aggregate = spec.options["aggregate"]
+    value = result.value(metric, aggregate)
+    details = {**result.to_details(), "gated": f"M_{metric}", "aggregate": aggregate,
+               "missed_objects": int(result.below_rho)}
+    why = None
+    if result.below_rho < result.n:  # every object missed: measured (every gate fails), not a convention
+        why = _all_by_convention(spec, metric, result)
+    setup = _detector_setup(spec, result)
+    return Measurement(value=value, detail=f"{setup}: {label} {aggregate} {value:.3f}; {result.detail()}",
+                       details=details, inconclusive=why)
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -123,6 +185,12 @@ def _rho(value: Any) -> str | None:
     return None if 0 < value < 1 else f"{value!r} is outside (0, 1)"
 
 
+def _iou(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value <= 1 else f"{value!r} is outside (0, 1]"
+
+
 def _params(aggregates: tuple[str, ...]) -> tuple[Param, ...]:
     return (
         Param("size", (int, list, tuple), REQUIRED, _pixels,
@@ -147,10 +215,17 @@ def _params(aggregates: tuple[str, ...]) -> tuple[Param, ...]:
               "say what the model returns: auto (detected), logits or probabilities"),
         Param("max_batch", (int,), 4096, in_range(1, 10**7),
               "give the most occluded images per forward pass, e.g. max_batch=4096"),
+        Param("iou", (int, float), 0.5, _iou,
+              "give the IoU (detectors only) a detection needs with an object's box to count as its match, in "
+              "(0, 1], e.g. iou=0.5"),
     )
 
 
 _FIXTURES = {"model": "model", "data": "dataset", "masks": "masks"}
+#: the masks are optional for detectors (their ground-truth boxes stand in); a classifier without them is the
+#: setting's error (raised in the measurement)
+_OPTIONAL = {"masks": "masks"}
+_TASKS = ("single-label", "detection")
 
 MIN_INTERPRETATION_PRECISION = GateDef(
     marker="min_interpretation_precision",
@@ -159,6 +234,8 @@ MIN_INTERPRETATION_PRECISION = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "min")),
     fixtures=_FIXTURES,
+    optional=_OPTIONAL,
+    tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("interpret", "M_interpret"),
     doc="fail unless the share of hot occlusion positions (probability of the original class below rho) that "
@@ -172,6 +249,8 @@ MIN_OCCLUSION_SENSITIVITY = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "min")),
     fixtures=_FIXTURES,
+    optional=_OPTIONAL,
+    tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("occsen", "M_OccSen"),
     doc="fail unless at least `threshold` of the occlusion positions on the object are hot: the object "
@@ -185,6 +264,8 @@ MAX_OCCLUSION_SENSITIVITY = GateDef(
     threshold_range=(0.0, 1.0),
     params=_params(("mean", "max")),
     fixtures=_FIXTURES,
+    optional=_OPTIONAL,
+    tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     measure=_measure("occsen", "M_OccSen"),
     doc="fail if more than `threshold` of the occlusion positions on the object are hot: the prediction "
