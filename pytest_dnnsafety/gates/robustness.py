@@ -8,8 +8,14 @@ measurement when they name the same model, data and perturbations (one run of th
 one per gate). ``max_adversarial_confidence_loss`` is *inconclusive* when the model's clean accuracy is
 not above chance (the share of the most frequent label, by a one-sided 95 % Clopper–Pearson lower
 bound): a random-output or constant model has no true-class confidence to lose, so its loss near 0
-is no evidence of robustness. Under torchrun every gate measures its rank's shard of the batches and
-the ranks' states are all-reduced (the single-process values). No torch import at module level.
+is no evidence of robustness. Detectors (``task='detection'``): per ground-truth object, the confidence is
+its matched score (the best same-class detection with IoU ≥ ``iou``, Cheng et al. 2018 §II-F step 2), the
+natural families perturb the images and the gradient families (fgsm, pgd) descend the sum of each
+image's matched scores (:mod:`..engines.robustness.detection`); robust accuracy is then the share of
+objects detected (matched score ≥ 0.5) clean and under every family, and the loss is inconclusive when
+no object is detected on the clean images (no confidence to lose). Under torchrun every gate measures its
+rank's shard of the batches and the ranks' states are all-reduced (the single-process values). No torch
+import at module level.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
     """
     from ..engines.robustness.confidence import assess_adversarial_confidence
 
+    if ctx.task == "detection":
+        return _detector_adversarial(spec, fx, ctx)
     families = _families(spec)
     budgets = _budgets(spec, list(families))
     opts = spec.options
@@ -89,6 +97,35 @@ def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
         assess_adversarial_confidence(fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size,
                                       device=ctx.device, seed=ctx.seed, clip=_clip(opts), outputs=opts["outputs"],
                                       shard=ctx.shard(fx["data"]))))
+
+
+def _detector_adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
+    """A detector's adversarial confidence per ground-truth object (shared between the two empirical gates)."""
+    from ..engines.robustness.detection import assess_detector_confidence
+
+    opts = spec.options
+    if opts["outputs"] != "auto":
+        raise ConfigError(f"{spec.marker}: outputs={opts['outputs']!r} is for classifiers; a detector's confidence is "
+                          "its matched detection score (task='detection'). Fix: drop outputs= for a detector.")
+    families = _families(spec)
+    budgets = _budgets(spec, list(families))
+    callables = tuple(item for item in opts["families"] if not isinstance(item, str))
+    values = (tuple(budgets.items()), tuple(item if isinstance(item, str) else None for item in opts["families"]),
+              _clip(opts), float(opts["iou"]), ctx.seed, ctx.batch_size, ctx.device)
+    return ctx.memo("robustness.adversarial (detection)", (fx["model"], fx["data"], *callables), values, lambda: (
+        assess_detector_confidence(fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size,
+                                   device=ctx.device, seed=ctx.seed, clip=_clip(opts), iou=float(opts["iou"]),
+                                   shard=ctx.shard(fx["data"]))))
+
+
+def _no_detection(result: Any) -> str | None:
+    """A detector's loss carries no signal when it detects no object on the clean images (nothing to lose)."""
+    if result.clean_accuracy > 0:
+        return None
+    return (f"the detector detects none of the {result.n} ground-truth objects on the clean images (no matched "
+            "score reaches 0.5), so it has no confidence to lose and its loss (M_adv, Cheng et al. 2018 eq. 4) "
+            "would say nothing about robustness. Fix: check the detector (weights loaded? boxes in pixels x1, y1, "
+            "x2, y2? the data's classes?) and gate robustness on a detector that finds the objects")
 
 
 def _setup(spec: GateSpec) -> str:
@@ -138,6 +175,10 @@ def _measure_confidence_loss(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
     """
     result = _adversarial(spec, fx, ctx)
     details = {**result.to_details(), "setup": _setup(spec)}
+    if ctx.task == "detection":
+        details.update(units="ground-truth objects", confidence="matched score", iou=float(spec.options["iou"]))
+        return Measurement(value=result.loss, detail=f"{_setup(spec)}: per object (matched score) {result.detail()}",
+                           details=details, inconclusive=_no_detection(result))
     return Measurement(value=result.loss, detail=f"{_setup(spec)}: {result.detail()}", details=details,
                        inconclusive=_at_chance(result))
 
@@ -146,6 +187,12 @@ def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
     """Share of inputs classified correctly clean and under every family (the worst case per input)."""
     result = _adversarial(spec, fx, ctx)
     per_family = ", ".join(f"{name} {acc:.3f}" for name, acc in zip(result.family_names, result.robust_accuracy))
+    if ctx.task == "detection":
+        detail = (f"{_setup(spec)}: {result.robust_accuracy_all:.3f} of the ground-truth objects detected (matched "
+                  f"score ≥ 0.5) clean and under every family (clean {result.clean_accuracy:.3f}; {per_family}), "
+                  f"n={result.n} objects")
+        details = {**result.to_details(), "setup": _setup(spec), "units": "ground-truth objects"}
+        return Measurement(value=result.robust_accuracy_all, detail=detail, details=details)
     detail = (f"{_setup(spec)}: robust accuracy {result.robust_accuracy_all:.3f} under all families "
               f"(clean {result.clean_accuracy:.3f}; {per_family}), n={result.n}")
     details = {**result.to_details(), "setup": _setup(spec)}
@@ -206,6 +253,12 @@ def _family_list(value: Any) -> str | None:
     return None
 
 
+def _iou(value: Any) -> str | None:
+    if isinstance(value, float) and math.isnan(value):
+        return "is NaN"
+    return None if 0 < value <= 1 else f"{value!r} is outside (0, 1]"
+
+
 def _budget_map(value: Any) -> str | None:
     if value is None:
         return None
@@ -237,6 +290,9 @@ _EMPIRICAL = (
     Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
           "say what the model returns: auto (detected), logits or probabilities"),
     Param("steps", (int,), 10, in_range(1, 10_000), "give the number of PGD steps, e.g. steps=10"),
+    Param("iou", (int, float), 0.5, _iou,
+          "give the IoU (detectors only) a detection needs with an object's box to count as its match, in (0, 1], "
+          "e.g. iou=0.5"),
 )
 
 MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
@@ -247,6 +303,7 @@ MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_confidence_loss,
+    tasks=("single-label", "detection"),
     shards=True,  # each rank its share of the batches (seeded by the global batch), states all-reduced
     doc="fail if the mean over inputs of the worst family's drop in the true class's probability exceeds "
         "`threshold` (−M_adv, Cheng et al. 2018, eq. 4)",
@@ -260,6 +317,7 @@ MIN_ROBUST_ACCURACY = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_robust_accuracy,
+    tasks=("single-label", "detection"),
     shards=True,  # shares the confidence-loss measurement and its shard
     doc="fail unless at least `threshold` of the inputs are classified correctly clean and under every "
         "perturbation family at its budget",

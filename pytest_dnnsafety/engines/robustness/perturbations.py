@@ -36,6 +36,13 @@ output is clamped to ``clip`` when one is given. All families are batched, pure 
 deterministic given the generator: each candidate is one transform of the perturbation
 library :mod:`..perturb` (shared with the monitor fault families), called with the family's ``clip``.
 
+**Detectors.** Given a detector and its packed ground-truth boxes as ``y`` (a
+:class:`~pytest_dnnsafety.tasks.BoxSet`), the natural families perturb the same way and "the worse of k
+candidates" is, per image, the candidate with the lowest sum of its objects' matched scores (the best
+same-class detection with IoU ≥ 0.5, Cheng et al. 2018 §II-F step 2). The gradient families (fgsm, pgd)
+then climb ``−Σ`` matched scores of each image's objects instead of the cross-entropy
+(:mod:`.detector_attacks`; the same steps, balls and projection).
+
 When called by the runner, families also receive ``guard=`` (a ForwardGuard every model query
 goes through) and ``outputs=`` (the detected output kind); called alone, a family uses its own
 guard (checked at the end of the call) and its constructor's ``outputs``.
@@ -54,6 +61,7 @@ from torch import Tensor
 
 from ...errors import ConfigError, MetricError
 from ...outputs import ForwardGuard
+from ...tasks import BoxSet
 from ..perturb import blur, brightness, contrast, gaussian_noise, occlude, rotate, translate
 from ..perturb.adversarial import OUTPUTS, _check_outputs, detect_outputs, fgsm, log_probs, pgd
 from ..perturb.common import as_images, check_clip, fill_value
@@ -89,15 +97,24 @@ def family_name(family: Any) -> str:
 
 
 def worst_of(
-    model: Any, y: Tensor, candidates: list[Tensor], outputs: str, guard: ForwardGuard
+    model: Any, y: Any, candidates: list[Tensor], outputs: str, guard: ForwardGuard
 ) -> Tensor:
-    """Per input, the candidate with the lowest true-class log-probability (one forward of all k·N)."""
+    """Per input, the candidate with the lowest true-class log-probability (one forward of all k·N); for a
+    detector (``y`` a :class:`~pytest_dnnsafety.tasks.BoxSet`) the lowest sum of its objects' matched scores."""
     if len(candidates) == 1:
         return candidates[0]
     k, n = len(candidates), candidates[0].shape[0]
     stacked = torch.cat(candidates, dim=0)
     with torch.no_grad():
         out = guard(model, stacked)
+    if isinstance(y, BoxSet):
+        from ..detector_scores import grouped_matched_scores, repeat_targets
+
+        copies, obj = repeat_targets(y, torch.arange(n, device=y.device).repeat(k))
+        per_object = grouped_matched_scores(out, copies)
+        total = torch.zeros(k * n, device=per_object.device).index_add(0, copies.image, per_object)
+        pick = total.reshape(k, n).argmin(dim=0).to(stacked.device)
+        return stacked.reshape(k, n, *stacked.shape[1:])[pick, torch.arange(n, device=pick.device)]
     lp = log_probs(out, outputs)
     true = lp.gather(1, y.repeat(k).reshape(-1, 1)).reshape(k, n)
     pick = true.argmin(dim=0)
@@ -159,12 +176,19 @@ class Family(abc.ABC):
                               f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}.")
         if self.spatial:
             _images(x, self.name)
-        y = torch.as_tensor(y).to(device=x.device, dtype=torch.int64, non_blocking=x.device.type != "cpu")
+        boxes = isinstance(y, BoxSet)
+        if boxes:
+            y = y.to(x.device)
+        else:
+            y = torch.as_tensor(y).to(device=x.device, dtype=torch.int64, non_blocking=x.device.type != "cpu")
         own = guard is None
         if guard is None:
-            guard = ForwardGuard(f"perturbation family {self.name!r}: model on perturbed inputs")
+            guard = ForwardGuard(f"perturbation family {self.name!r}: model on perturbed inputs",
+                                 task="detection" if boxes else "single-label")
         outputs = outputs or self.outputs
-        if outputs == "auto" and self.uses_outputs:
+        if boxes:
+            outputs = "logits"  # unused: a detector's candidates are compared by their matched scores
+        elif outputs == "auto" and self.uses_outputs:
             with torch.no_grad():
                 outputs = detect_outputs(guard(model, x))
         out = self._perturb(model, x.detach(), y, float(eps), generator, guard, outputs)
@@ -302,6 +326,10 @@ class FGSM(Family):
         self.unit = f"{_norm_name(self.norm)} radius in input units"  # type: ignore[misc]
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        if isinstance(y, BoxSet):  # a detector: down its objects' matched scores
+            from .detector_attacks import detector_fgsm
+
+            return detector_fgsm(model, x, y, eps, norm=self.norm, clip=self.clip, guard=guard)
         return fgsm(model, x, y, eps, generator, norm=self.norm, clip=self.clip, outputs=outputs, guard=guard)
 
 
@@ -338,6 +366,11 @@ class PGD(Family):
         self.unit = f"{_norm_name(self.norm)} radius in input units"  # type: ignore[misc]
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
+        if isinstance(y, BoxSet):  # a detector: down its objects' matched scores (loss='ce'/'margin' do not apply)
+            from .detector_attacks import detector_pgd
+
+            return detector_pgd(model, x, y, eps, generator, norm=self.norm, steps=self.steps,
+                                step_size=self.step_size, random_start=self.random_start, clip=self.clip, guard=guard)
         return pgd(model, x, y, eps, generator, norm=self.norm, steps=self.steps, step_size=self.step_size,
                    random_start=self.random_start, clip=self.clip, outputs=outputs, loss=self.loss, guard=guard)
 
