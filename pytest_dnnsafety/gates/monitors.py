@@ -101,6 +101,12 @@ def _stream(ctx: GateContext, data: Any, family: str, severity: int, *, model: A
     from ..engines.monitors.stream import fault_stream
 
     adversarial = family in FAULT_GROUPS["adversarial"]
+    if ctx.task == "detection":
+        from .monitors_detection import detector_fault_source
+
+        data_key, data = data, detector_fault_source(data, family)
+    else:
+        data_key = data
 
     def make() -> Any:
         if adversarial:
@@ -113,7 +119,7 @@ def _stream(ctx: GateContext, data: Any, family: str, severity: int, *, model: A
         return fault_stream(data, family, severity, seed=ctx.seed, model=model, batch_size=ctx.batch_size,
                             device=ctx.device, clip=_clip(clip))
 
-    return ctx.memo("monitor fault set", (data, model if adversarial else None),
+    return ctx.memo("monitor fault set", (data_key, model if adversarial else None),
                     (family, severity, ctx.seed, _clip(clip), ctx.batch_size, str(ctx.device)), make)
 
 
@@ -208,7 +214,7 @@ def _check_fit_labels(ctx: GateContext, fx: Mapping[str, Any], role: str, name: 
     """DataError when the fit data's labels are classes the model cannot output (the pass is the fit's own, shared)."""
     import torch
 
-    if not isinstance(fx["model"], torch.nn.Module):
+    if not isinstance(fx["model"], torch.nn.Module) or ctx.task == "detection":  # a detector's labels are boxes
         return
     out = _activations(ctx).outputs(fx["model"], fx["fit_data"], batch_size=ctx.batch_size, device=ctx.device,
                                     plan=_bank_layers(fx["monitors"]))
@@ -536,6 +542,7 @@ MIN_MONITOR_DETECTION = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_detection,
+    tasks=("single-label", "detection"),  # a detector: a score-based monitor (DetectionScore), faults on the images
     shards=True,  # each rank scores its share of every data set's batches; the scores are all-gathered
     doc="fail if the monitor's detection (OOD positive; MCC by default) of the worst fault family and severity "
         "falls below `threshold` (Ferreira et al., safety-monitor benchmark; README: Runtime monitors)",

@@ -6,6 +6,7 @@
   activation cache; the inputs batch by batch through the runner; a torchrun rank's shard);
 * :mod:`.overhead` — :func:`measure_overhead`;
 * :mod:`.output` — :class:`MSP`, :class:`ODIN`, :class:`Energy`;
+* :mod:`.detection` — :class:`DetectionScore` (a detector's top detection scores);
 * :mod:`.features` — :class:`OutsideTheBox`, :class:`ActivationPatterns`, :class:`Mahalanobis`;
 * :mod:`.autoencoder` — :class:`Autoencoder` (the reconstruction error of the user's autoencoder);
 * :mod:`.faults` — fault families (noise, distribution shift, anomalies, adversarial) at severities 1–5;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from . import autoencoder as _autoencoder
 from . import base as _base
+from . import detection as _detection
 from . import faults as _faults
 from . import features as _features
 from . import metrics as _metrics
@@ -26,6 +28,7 @@ from . import stream as _stream
 from . import view as _view
 from .autoencoder import *
 from .base import *
+from .detection import *
 from .faults import *
 from .features import *
 from .metrics import *
@@ -35,6 +38,6 @@ from .stream import *
 from .view import *
 
 __all__: list[str] = []
-for _module in (_view, _base, _overhead, _output, _features, _autoencoder, _faults, _stream, _metrics):
+for _module in (_view, _base, _overhead, _output, _detection, _features, _autoencoder, _faults, _stream, _metrics):
     __all__ += _module.__all__
 del _module

@@ -25,6 +25,7 @@ from torch import Tensor
 from ...activations import ActivationCache, ModelOutputs
 from ...data import known_length
 from ...errors import ConfigError, DataError, MetricError
+from ...tasks import BoxSet
 from ..checks import check_count
 from ..runner import Batch, Runner, model_device
 
@@ -99,6 +100,16 @@ class MonitorView:
     def _select(self, tensor: Tensor) -> Tensor:
         return tensor if self.rows is None else tensor[self.rows.to(tensor.device)]
 
+    def _select_labels(self, labels: Any) -> Any:
+        """Labels (a tensor) or a detector's packed boxes (a :class:`~pytest_dnnsafety.tasks.BoxSet`) of the rows."""
+        if labels is None or self.rows is None:
+            return labels
+        if isinstance(labels, BoxSet):
+            from ..detector_scores import select_images
+
+            return select_images(labels, self.rows)
+        return self._select(labels)
+
     # -- the shared pass
 
     def outputs(self) -> ModelOutputs:
@@ -112,14 +123,22 @@ class MonitorView:
                     raise ConfigError(f"rows reach index {int(self.rows.max())} but the data has {n} inputs. "
                                       f"Fix: select rows in 0..{n - 1}.")
                 out = ModelOutputs(self._select(out.predictions), self._select(out.confidence),
-                                   self._select(out.labels) if out.labels is not None else None, out.num_classes,
-                                   self._select(out.logits) if out.logits is not None else None)
+                                   self._select_labels(out.labels), out.num_classes,
+                                   self._select(out.logits) if out.logits is not None else None,
+                                   self._select_labels(out.detections))
             self._outputs = out
         return self._outputs
 
     def logits(self) -> Tensor:
         """``(N, K)`` float32 raw class scores on the model's device; MetricError for a label-returning model."""
-        logits = self.outputs().logits
+        outputs = self.outputs()
+        logits = outputs.logits
+        if logits is None and outputs.detections is not None:
+            raise MetricError(
+                "the model is an object detector (one dict of boxes, scores and labels per image), so an output-based "
+                "classifier monitor (maximum softmax, ODIN, energy) has no class scores to read. Fix: use "
+                "DetectionScore() (1 - the top detection score) in the `monitors` fixture, or a feature monitor "
+                "(outside_the_box, activation_patterns, mahalanobis) on one of its layers.")
         if logits is None:
             raise MetricError(
                 "the model returns class labels (shape (batch,)), not class scores, so an output-based monitor "
