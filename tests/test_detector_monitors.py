@@ -4,8 +4,10 @@ the images as for a classifier.
 
 Known answers on the blob detector (:mod:`_blob_detector`): a detector whose score drops when the background
 turns noisy lets the monitor separate noisy images from clean ones (the gate passes); a detector whose score
-is the same on every image gives the monitor nothing to read (the gate fails). A classifier monitor given a
-detector, the adversarial faults and the selective-risk gate are errors naming the fix.
+is the same on every image gives the monitor nothing to read (the gate fails). The system view counts an image
+as the detector's error when it misses an object or detects one that is not there: a detector whose boxes are
+shifted off the objects is wrong on every image and a monitor that cannot tell fails max_monitor_selective_risk.
+A classifier monitor given a detector and the adversarial faults are errors naming the fix.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from _blob_detector import BlobDetector, blob_data, blob_project, gates_of
 from conftest import GateProject
 from pytest_dnnsafety.engines.monitors import DetectionScore, MonitorView, fit_monitor
-from pytest_dnnsafety.tasks import DetectionData
+from pytest_dnnsafety.engines.detector_scores import image_errors
+from pytest_dnnsafety.tasks import BoxSet, DetectionData
 
 MONITORS = """
 
@@ -42,15 +45,50 @@ def test_monitor_that_cannot_separate_fails_and_bad_configurations_are_errors(ga
         "blind": GATE,
         "msp": "min_monitor_detection(0.5, monitor='msp', faults='gaussian_noise', severity=3)",
         "adversarial": "min_monitor_detection(0.5, monitor='det', faults='fgsm', severity=3)",
-        "risk": "max_monitor_selective_risk(0.5, monitor='det')",
+        "rotation": "max_monitor_selective_risk(0.5, monitor='det', faults='rotation', severity=3)",
     }, model={"score": "constant"}, extra=MONITORS)
     result = project.run("--dnnsafety-json=evidence.json")
     gates = gates_of(project)
     assert gates["blind"]["status"] == "failed" and gates["blind"]["value"] == 0.0
-    assert {gates[k]["status"] for k in ("msp", "adversarial", "risk")} == {"error"}
+    assert {gates[k]["status"] for k in ("msp", "adversarial", "rotation")} == {"error"}
     result.stdout.fnmatch_lines(["*the model is an object detector*Fix: use DetectionScore()*"])
     result.stdout.fnmatch_lines(["*fault family 'fgsm' attacks a classifier's true class*"])
-    result.stdout.fnmatch_lines(["*max_monitor_selective_risk supports single-label models*detection*"])
+    result.stdout.fnmatch_lines(["*fault family 'rotation' moves a detector's objects off their boxes*"])
+
+
+RISK = "max_monitor_selective_risk(0.2, monitor='det', faults=('gaussian_noise', 'black_frame'), severity=5)"
+
+
+def test_selective_risk_counts_missed_and_false_detections(gate_project: GateProject) -> None:
+    project = blob_project(gate_project, {"risk": RISK}, model={"score": "clean_background"}, extra=MONITORS)
+    result = project.run("--dnnsafety-json=evidence.json")
+    gate = gates_of(project)["risk"]
+    assert gate["status"] == "passed", result.stdout.str()
+    system = gate["details"]["system"]
+    # black frames have no right answer (every decision an error) and no bright blob: the monitor rejects them
+    assert gate["details"]["per_set"]["black_frame"]["accepted"] == 0
+    assert system["accepted_errors"] == 0 and system["model_risk"] > 0
+
+
+def test_detector_with_shifted_boxes_fails_selective_risk(pytester: pytest.Pytester) -> None:
+    project = blob_project(GateProject(pytester), {"risk": "max_monitor_selective_risk(0.2, monitor='det')"},
+                           model={"shift": 8.0}, extra=MONITORS)
+    project.run("--dnnsafety-json=evidence.json")
+    gate = gates_of(project)["risk"]
+    assert gate["status"] == "failed" and gate["value"] == 1.0  # every accepted image: a miss and a false box
+
+
+def test_image_errors_are_misses_and_false_detections() -> None:
+    targets = BoxSet(torch.tensor([[0., 0, 4, 4], [8, 8, 12, 12], [0, 0, 4, 4]]), torch.tensor([0, 1, 0]),
+                     torch.tensor([0, 0, 2]), 4)
+    dets = BoxSet(torch.tensor([[0., 0, 4, 4], [8, 8, 12, 12], [0, 0, 4, 4], [5, 5, 9, 9], [0, 0, 4, 4]]),
+                  torch.tensor([0, 1, 0, 0, 0]), torch.tensor([0, 0, 1, 2, 2]), 4,
+                  torch.tensor([0.9, 0.8, 0.7, 0.3, 0.6]))
+    # image 0 right; image 1 a false detection; image 2 right (the 0.3 box is below the operating point);
+    # image 3 nothing to find, nothing found
+    assert image_errors(dets, targets).tolist() == [False, True, False, False]
+    weak = BoxSet(dets.boxes, dets.labels, dets.image, 4, torch.tensor([0.9, 0.4, 0.7, 0.3, 0.6]))
+    assert image_errors(weak, targets).tolist() == [True, True, False, False]  # image 0 misses its class-1 object
 
 
 def test_detection_score_reads_the_top_detections_and_subsets_keep_them() -> None:

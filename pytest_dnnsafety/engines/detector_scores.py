@@ -11,8 +11,9 @@ image, with IoU ≥ ``iou``, else 0 (:func:`~pytest_dnnsafety.tasks.matched_scor
 own image (``Σ_i D_i·M_i`` pairs instead of one ``D × M`` matrix), so a chunk of thousands of
 occluded or perturbed copies costs memory linear in its boxes. :func:`repeat_targets` lays out the
 targets of copies of images (copy ``k`` of image ``images[k]``), :func:`top_scores` gives each
-image's mean top-``k`` detection score (a score-based runtime monitor reads ``1 −`` it) and
-:func:`select_images` takes a subset of images out of a packed set. Pure torch; no pytest import.
+image's mean top-``k`` detection score (a score-based runtime monitor reads ``1 −`` it),
+:func:`select_images` takes a subset of images out of a packed set and :func:`image_errors` tells,
+per image, whether the detector got it wrong (a missed object or a false detection). Pure torch; no pytest import.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import Tensor
 
 from ..tasks import BoxSet
 
-__all__ = ["grouped_matched_scores", "box_iou_pairs", "repeat_targets", "top_scores", "select_images"]
+__all__ = ["grouped_matched_scores", "box_iou_pairs", "repeat_targets", "top_scores", "select_images",
+           "image_errors"]
 
 
 def _starts(counts: Tensor) -> Tensor:
@@ -121,3 +123,22 @@ def select_images(boxes: BoxSet, rows: Tensor) -> BoxSet:
     pick = keep.nonzero().squeeze(1)[order]
     return BoxSet(boxes.boxes[pick], boxes.labels[pick], new[order], int(rows.shape[0]),
                   None if boxes.scores is None else boxes.scores[pick])
+
+
+def image_errors(detections: BoxSet, targets: BoxSet, iou: float = 0.5, score: float = 0.5) -> Tensor:
+    """Per image ``(n_images,)`` bool: the detector is wrong on it at operating point ``score``.
+
+    Wrong = a ground-truth object without a same-class detection of score ≥ ``score`` and IoU ≥ ``iou``
+    (a miss), or a detection of score ≥ ``score`` that overlaps no same-class object with IoU ≥ ``iou``
+    (a false detection). The image-level decision the system view of a runtime monitor counts.
+    """
+    n = targets.n_images
+    device = targets.device
+    dets = detections.to(device)
+    missed = (grouped_matched_scores(dets, targets, iou) < score).to(torch.int64)
+    confident = dets.select(dets.scores >= score)
+    as_dets = BoxSet(targets.boxes, targets.labels, targets.image, n, torch.ones(len(targets), device=device))
+    found = BoxSet(confident.boxes, confident.labels, confident.image, n)
+    false = (grouped_matched_scores(as_dets, found, iou) <= 0).to(torch.int64)
+    counts = torch.zeros(n, dtype=torch.int64, device=device).index_add(0, targets.image, missed)
+    return counts.index_add(0, confident.image, false) > 0

@@ -384,7 +384,7 @@ def _measure_detection(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) 
 # ------------------------------------------------------------------------------------- system view
 
 
-def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: str) -> Any:
+def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: str, source: Any = None) -> Any:
     """Per input: is the model's decision wrong? (Always, on inputs that have no right answer.)
 
     From the shared pass (under torchrun this rank's shard, then all-gathered: every rank holds every input's)."""
@@ -397,6 +397,9 @@ def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: s
 
     def local() -> Any:
         out = _activations(ctx).outputs(model, data, batch_size=ctx.batch_size, device=ctx.device, shard=shard)
+        if ctx.task == "detection":  # a missed object or a false detection (source: the boxes of faulted images)
+            from .monitors_detection import detector_wrong
+            return detector_wrong(out, family, source, shard, _NO_RIGHT_ANSWER)
         if family in _NO_RIGHT_ANSWER:
             return torch.ones(out.n_inputs, dtype=torch.bool, device=out.predictions.device)
         if out.labels is None:
@@ -427,7 +430,7 @@ def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
         for family, severity, data in _sets(spec, fx, ctx):
             scores = _scores(ctx, monitor, key, fx["model"], data, _bank_layers(fx["monitors"]))
             parts.append((_set_name(family, severity), monitor.alarm(scores),
-                          _errors(ctx, fx["model"], data, family, spec.fixtures["data"])))
+                          _errors(ctx, fx["model"], data, family, spec.fixtures["data"], fx["data"])))
     device = parts[0][1].device
     alarm = torch.cat([a.to(device) for _, a, _ in parts])
     error = torch.cat([e.to(device) for _, _, e in parts])
@@ -566,6 +569,7 @@ MAX_MONITOR_SELECTIVE_RISK = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_selective_risk,
+    tasks=("single-label", "detection"),  # a detector's error: a missed object or a false detection per image
     shards=True,  # each rank scores its share of every data set's batches; scores and errors all-gathered
     doc="fail if the error rate among the inputs the monitor accepts (its upper confidence bound by default) "
         "exceeds `threshold` (the system view of Ferreira et al.'s benchmark)",
