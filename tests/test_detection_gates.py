@@ -21,9 +21,17 @@ LIGHT = {"day": 1.0, "dusk": 0.7, "night": 0.3}
 N = 60  # 20 images per lighting value
 
 CONFTEST = '''
+import pathlib
+
 import pytest
 import torch
 from torch import nn
+
+ROWS = {False: 0, True: 0}  # images forwarded, by night_blind
+
+
+def pytest_sessionfinish(session):
+    pathlib.Path("rows.txt").write_text(f"{ROWS[False]} {ROWS[True]}")
 
 
 class Reader(nn.Module):
@@ -34,6 +42,7 @@ class Reader(nn.Module):
         self.night_blind = night_blind
 
     def forward(self, x):
+        ROWS[self.night_blind] += x.shape[0]
         out = []
         for image in x[:, 0]:
             rows = image[image[:, 5] > 0.5]
@@ -139,6 +148,9 @@ def test_good_detector_passes_and_night_blind_fails_naming_night(gate_project: G
     estimate = found["estimate_blind"]
     assert estimate["bound"] is None and "statistic='estimate'" in estimate["summary"]
     assert found["map50_good"]["details"]["map_groups"][0]["group"] == "all"
+    # one matching pass per model serves its mAP and recall gates (plus the guard's determinism probe)
+    good_rows, blind_rows = map(int, (project.pytester.path / "rows.txt").read_text().split())
+    assert N <= good_rows < 2 * N and N <= blind_rows < 2 * N
 
 
 def test_a_classifier_is_an_error_naming_the_task_and_small_groups_are_not_assessed(

@@ -122,10 +122,14 @@ class DetectionEngine:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, images: Tensor | None = None, *, bootstrap: int = 0, confidence: float = 0.95,
-                 generator: torch.Generator | None = None) -> "GroupMAP":
+                 generator: torch.Generator | None = None, columns: Sequence[int] | None = None) -> "GroupMAP":
         """mAP (and per-class AP) of the images ``images`` (a bool mask or indices; default all), with a
-        percentile bootstrap over those images when ``bootstrap`` > 0 (see the module docstring)."""
+        percentile bootstrap over those images when ``bootstrap`` > 0 (see the module docstring).
+        ``columns``: the thresholds (indices into ``thresholds``) averaged over (default all; each
+        threshold's matching is independent of the others, so a subset is that subset's mAP)."""
         score, label, image, matched, gimage, glabel = self.records()
+        columns = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
+        matched = matched[:, columns]
         keep = self._image_mask(images)
         det_in, gt_in = keep[image.cpu()].to(score.device), keep[gimage.cpu()].to(gimage.device)
         score, label, image, matched = score[det_in], label[det_in], image[det_in], matched[det_in]
@@ -163,7 +167,7 @@ class DetectionEngine:
                         classes=classes.tolist(), ap=ap.cpu(), map=point,
                         map50=_mean_map(ap[:, :1]) if ap.numel() else math.nan,
                         lower=lower, upper=upper, replicates=replicates,
-                        thresholds=self.thresholds.tolist())
+                        thresholds=self.thresholds[columns].tolist())
 
     def recall(self, images: Tensor | None = None, *, score_threshold: float = 0.5, threshold_index: int = 0,
                bootstrap: int = 0, confidence: float = 0.95, generator: torch.Generator | None = None,

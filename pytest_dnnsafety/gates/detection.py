@@ -32,11 +32,11 @@ __all__ = ["MIN_DETECTION_MAP", "MIN_DETECTION_RECALL", "pytest_dnnsafety_regist
 COCO_RANGE = "0.5:0.95"
 
 
-def _thresholds(iou: Any) -> list[float] | None:
-    """The IoU thresholds of ``iou=`` (None for COCO's ten)."""
+def _iou(iou: Any) -> float | None:
+    """The IoU threshold of ``iou=`` (None for COCO's ten)."""
     if isinstance(iou, str) and iou.strip() == COCO_RANGE:
         return None
-    return [float(iou)]
+    return float(iou)
 
 
 def _by(opts: Mapping[str, Any]) -> list[str]:
@@ -44,8 +44,29 @@ def _by(opts: Mapping[str, Any]) -> list[str]:
     return [] if by is None else [by] if isinstance(by, str) else list(by)
 
 
-def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds: list[float] | None) -> Any:
-    """Run the model over the data and match every batch: the filled DetectionEngine."""
+def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float | None) -> tuple[Any, list[int]]:
+    """The filled DetectionEngine and the columns of ``iou`` (None: COCO's ten) in its thresholds.
+
+    Matched at COCO's ten thresholds whenever ``iou`` is one of them, once per session for a model and
+    data set (:meth:`GateContext.memo`): the mAP and recall gates on the same fixtures share one pass.
+    """
+    from ..engines.detection import COCO_IOU_THRESHOLDS
+
+    coco = COCO_IOU_THRESHOLDS.tolist()
+    if iou is None:
+        thresholds, columns = None, list(range(len(coco)))
+    else:
+        near = [i for i, t in enumerate(coco) if abs(t - iou) < 1e-9]
+        thresholds, columns = (None, near[:1]) if near else ((iou,), [0])
+    opts = spec.options
+    engine = ctx.memo("detection matching", (fx["model"], fx["data"]),
+                      (thresholds, opts["max_detections"], ctx.batch_size, str(ctx.device)),
+                      lambda: _match_all(spec, fx, ctx, thresholds))
+    return engine, columns
+
+
+def _match_all(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds: Any) -> Any:
+    """Run the model over the data and match every batch (one Runner pass)."""
     import torch
 
     from ..engines.detection import COCO_IOU_THRESHOLDS, DetectionEngine
@@ -53,17 +74,18 @@ def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds
     from ..outputs import eval_mode
     from ..tasks import BoxSet
 
+    what = "detection quality (min_detection_map / min_detection_recall)"
     model, data = fx["model"], fx["data"]
-    engine = DetectionEngine(COCO_IOU_THRESHOLDS if thresholds is None else thresholds,
+    engine = DetectionEngine(COCO_IOU_THRESHOLDS if thresholds is None else list(thresholds),
                              max_detections=spec.options["max_detections"])
-    runner = Runner(spec.marker, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required")
-    guard = runner.guard(f"{spec.marker}: model on the images", task="detection", num_classes=None)
+    runner = Runner(what, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required")
+    guard = runner.guard(f"{what}: model on the images", task="detection", num_classes=None)
 
     def step(batch: Any) -> None:
         if not isinstance(batch.y, BoxSet):
-            raise DataError(f"{spec.marker}: the data (fixture {spec.fixtures['data']!r}) has no boxes: its labels "
-                            f"have shape {tuple(batch.y.shape)}. Fix: give detection data, an .npz with x, boxes, "
-                            "labels and offsets (or a DataLoader with collate_fn=tasks.detection_collate)")
+            raise DataError(f"{what}: the data (fixture {spec.fixtures['data']!r}) has no boxes: its labels have "
+                            f"shape {tuple(batch.y.shape)}. Fix: give detection data, an .npz with x, boxes, labels "
+                            "and offsets (or a DataLoader with collate_fn=tasks.detection_collate)")
         engine.update(guard(model, batch.x), batch.y, batch.start)
 
     with eval_mode(model), torch.no_grad():
@@ -140,18 +162,18 @@ def _generator(ctx: GateContext, g: int) -> Any:
 def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The worst group's mAP: its bootstrap lower bound (or its estimate, with statistic='estimate')."""
     opts = spec.options
-    engine = _records(spec, fx, ctx, _thresholds(opts["iou"]))
+    engine, columns = _records(spec, fx, ctx, _iou(opts["iou"]))
     groups, problems, small = _sort_groups(spec, fx, engine)
     rows = []
     for g, (label, mask) in enumerate(groups):
         res = engine.evaluate(mask, bootstrap=opts["bootstrap"], confidence=opts["confidence"],
-                              generator=_generator(ctx, g))
+                              generator=_generator(ctx, g), columns=columns)
         rows.append({"group": label, "map": res.map, "map50": res.map50, "lower": res.lower, "upper": res.upper,
                      "images": res.images, "objects": res.objects, "detections": res.detections,
                      "class_ap": {str(c): v for c, v in res.class_ap().items()}})
     key = "lower" if opts["statistic"] == "bound" else "map"
     worst = min(rows, key=lambda r: (r[key], r["map"]))
-    iou = "[.5:.95]" if _thresholds(opts["iou"]) is None else f"@{float(opts['iou']):g}"
+    iou = "@[.5:.95]" if _iou(opts["iou"]) is None else f"@{float(opts['iou']):g}"
     gated = "bootstrap lower bound" if key == "lower" else "estimate (statistic='estimate', no bound compared)"
     detail = (f"worst group {worst['group']}: mAP{iou} {worst['map']:.3f}, {opts['confidence']:.0%} {gated} "
               f"{worst['lower']:.3f} ({worst['images']} images, {worst['objects']} objects, {opts['bootstrap']} "
@@ -168,12 +190,12 @@ def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Mea
 def _measure_recall(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The worst (group, class) recall at the score threshold — or the worst group's, per_class=False."""
     opts = spec.options
-    engine = _records(spec, fx, ctx, [float(opts["iou"])])
+    engine, columns = _records(spec, fx, ctx, float(opts["iou"]))
     groups, problems, small = _sort_groups(spec, fx, engine)
     rows, candidates = [], []
     for g, (label, mask) in enumerate(groups):
-        res = engine.recall(mask, score_threshold=float(opts["score_threshold"]), bootstrap=opts["bootstrap"],
-                            confidence=opts["confidence"], generator=_generator(ctx, g))
+        res = engine.recall(mask, score_threshold=float(opts["score_threshold"]), threshold_index=columns[0],
+                            bootstrap=opts["bootstrap"], confidence=opts["confidence"], generator=_generator(ctx, g))
         classes = [{"class": c, "recall": float(res.recall[i]), "lower": float(res.lower[i]),
                     "objects": res.class_objects[i]} for i, c in enumerate(res.classes)]
         rows.append({"group": label, "recall": res.overall, "lower": res.overall_lower, "images": res.images,
