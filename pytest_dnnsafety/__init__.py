@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engines.reliability import ReliabilityResult, assess_reliability
     from .engines.robustness import (AdversarialConfidenceResult, BoundedModel, VerificationResult,
                                      assess_adversarial_confidence, make_family, verify_robustness)
-    from .engines.monitors import (MSP, ODIN, ActivationPatterns, Autoencoder, DetectionMetrics, Energy,
+    from .engines.monitors import (MSP, ODIN, ActivationPatterns, Autoencoder, DetectionMetrics, DetectionScore,
+                                   Energy,
                                    Mahalanobis, Monitor, MonitorView, OutsideTheBox, detection_metrics,
                                    fit_monitor, system_view)
     from .engines.scenario import ScenarioCoverageEngine
@@ -72,6 +73,7 @@ __all__ = [
     "Monitor",
     "MonitorView",
     "MSP",
+    "DetectionScore",
     "ODIN",
     "Energy",
     "OutsideTheBox",
@@ -115,6 +117,7 @@ _LAZY = {
     "Monitor": ".engines.monitors",
     "MonitorView": ".engines.monitors",
     "MSP": ".engines.monitors",
+    "DetectionScore": ".engines.monitors",
     "ODIN": ".engines.monitors",
     "Energy": ".engines.monitors",
     "OutsideTheBox": ".engines.monitors",

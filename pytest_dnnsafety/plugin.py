@@ -229,16 +229,17 @@ def ood_data(dnnsafety_settings: Settings) -> Any:
 
 @pytest.fixture(scope="session")
 def monitors() -> Any:
-    """The runtime monitors the monitor gates can name: ``{"msp": MSP(), "odin": ODIN(), "energy": Energy()}``.
+    """The runtime monitors the monitor gates can name: ``{"msp": MSP(), "odin": ODIN(), "energy": Energy(),
+    "detection_score": DetectionScore()}`` (the last for detectors).
 
     Override in ``conftest.py`` to configure them or add feature-based ones, e.g.
     ``{"energy": Energy(), "oob": OutsideTheBox(layer="classifier.1", clusters=3, enlarge=0.1)}``. Gates fit
     each monitor they use once per session on ``monitor_data``.
     """
     with _setup_errors("monitors"):
-        from .engines.monitors import MSP, ODIN, Energy
+        from .engines.monitors import MSP, ODIN, DetectionScore, Energy
 
-        return {"msp": MSP(), "odin": ODIN(), "energy": Energy()}
+        return {"msp": MSP(), "odin": ODIN(), "energy": Energy(), "detection_score": DetectionScore()}
 
 
 @pytest.fixture(scope="session")

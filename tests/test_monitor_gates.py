@@ -248,7 +248,7 @@ def test_xdist_equals_serial(gate_project: GateProject, files: Path) -> None:
 @pytest.mark.parametrize(("case", "expected"), [
     ("no_novel", "*faults= includes 'novel', but no novel-class data is configured. Fix: set dnnsafety_ood_data*"),
     ("novel_shape", "*has inputs of shape (1, 7, 7), but 'dataset' has (1, 8, 8). Fix: *"),
-    ("unknown_monitor", "*monitor='mahalanobis' is not in fixture 'monitors' (it has 'msp', 'odin', 'energy'). "
+    ("unknown_monitor", "*monitor='mahalanobis' is not in fixture 'monitors' (it has 'msp', 'odin', 'energy', 'detection_score'). "
                         "Fix: *"),
     ("empty_fit", "*Fix: *"),
     ("nan_scores", "*NaN*Fix: *"),
