@@ -18,7 +18,7 @@ from _digits_project import gates_of
 from conftest import GateProject
 
 LIGHT = {"day": 1.0, "dusk": 0.7, "night": 0.3}
-N = 60  # 20 images per lighting value
+N = 60  # 20 images per lighting value; every tenth image (camera "b") holds no object
 
 CONFTEST = '''
 import pathlib
@@ -85,7 +85,7 @@ def _write_files(root: Path) -> None:
     x = np.zeros((N, 1, 4, 8), dtype=np.float32)
     boxes, labels, offsets = [], [], [0]
     for i in range(N):
-        n = int(rng.integers(1, 4))
+        n = 0 if i % 10 == 9 else int(rng.integers(1, 4))  # camera "b" images hold no object
         for j in range(n):
             x1, y1 = rng.integers(0, 50, size=2)
             w, h = rng.integers(15, 40, size=2)
@@ -101,8 +101,10 @@ def _write_files(root: Path) -> None:
     (root / "data").mkdir(exist_ok=True)
     np.savez(root / "data" / "eval.npz", x=x, boxes=np.asarray(boxes, dtype=np.float32),
              labels=np.asarray(labels, dtype=np.int64), offsets=np.asarray(offsets, dtype=np.int64))
-    (root / "data" / "scenarios.csv").write_text("lighting\n" + "\n".join(lighting) + "\n")
-    (root / "data" / "conditions.toml").write_text('[conditions]\nlighting = ["day", "dusk", "night"]\n')
+    rows = [f"{lighting[i]},{'b' if i % 10 == 9 else 'a'}" for i in range(N)]
+    (root / "data" / "scenarios.csv").write_text("lighting,camera\n" + "\n".join(rows) + "\n")
+    (root / "data" / "conditions.toml").write_text('[conditions]\nlighting = ["day", "dusk", "night"]\n'
+                                                   'camera = ["a", "b"]\n')
 
 
 def _project(gate_project: GateProject, gates: dict[str, tuple[str, str]]) -> GateProject:
@@ -156,6 +158,9 @@ def test_good_detector_passes_and_night_blind_fails_naming_night(gate_project: G
 def test_a_classifier_is_an_error_naming_the_task_and_small_groups_are_not_assessed(
         gate_project: GateProject) -> None:
     gates = {"cls": (f'min_detection_map(0.5, model="classifier", {SMALL})', "classifier"),
+             "no_objects": ('min_detection_map(0.1, by="camera", min_images=5, bootstrap=100)', "model"),
+             "no_objects_recall": ('min_detection_recall(0.1, by="camera", per_class=False, min_images=5, '
+                                   'bootstrap=100)', "model"),
              "strict": ('min_detection_map(0.1, by="lighting", min_images=25, bootstrap=100)', "model"),
              "allowed": ('min_detection_map(0.1, by="lighting", min_images=20, bootstrap=100)', "model")}
     project = _project(gate_project, gates)
@@ -167,6 +172,10 @@ def test_a_classifier_is_an_error_naming_the_task_and_small_groups_are_not_asses
     assert found["strict"]["status"] == "error"  # no group has min_images images: nothing measured, never a pass
     assert "nothing to assess" in found["strict"]["details"]["error"]
     assert found["allowed"]["status"] == "passed"
+    for name in ("no_objects", "no_objects_recall"):  # camera=b has images but no object: undefined, never a pass
+        assert found[name]["status"] == "inconclusive", found[name]
+        assert "camera=b" in found[name]["summary"] and "no ground-truth object" in found[name]["summary"]
+    assert found["no_objects_recall"]["details"]["worst_class"] == "all classes"
 
 
 BAD_MARKERS = [

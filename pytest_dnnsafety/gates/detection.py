@@ -159,6 +159,14 @@ def _generator(ctx: GateContext, g: int) -> Any:
     return torch.Generator().manual_seed((int(ctx.seed) * 1_000_003 + g) % (2**63))
 
 
+def _bound_text(opts: Mapping[str, Any], lower: float) -> str:
+    """How the compared number was read: the bootstrap bound, or the estimate (statistic='estimate')."""
+    bound = f"{opts['confidence']:.0%} bootstrap lower bound {lower:.3f}"
+    if opts["statistic"] == "bound":
+        return bound
+    return f"the estimate is compared (statistic='estimate'); {bound}, not compared"
+
+
 def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The worst group's mAP: its bootstrap lower bound (or its estimate, with statistic='estimate')."""
     opts = spec.options
@@ -174,10 +182,9 @@ def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Mea
     key = "lower" if opts["statistic"] == "bound" else "map"
     worst = min(rows, key=lambda r: (r[key], r["map"]))
     iou = "@[.5:.95]" if _iou(opts["iou"]) is None else f"@{float(opts['iou']):g}"
-    gated = "bootstrap lower bound" if key == "lower" else "estimate (statistic='estimate', no bound compared)"
-    detail = (f"worst group {worst['group']}: mAP{iou} {worst['map']:.3f}, {opts['confidence']:.0%} {gated} "
-              f"{worst['lower']:.3f} ({worst['images']} images, {worst['objects']} objects, {opts['bootstrap']} "
-              f"replicates); {len(rows)} group(s) assessed")
+    detail = (f"worst group {worst['group']}: mAP{iou} {worst['map']:.3f}, {_bound_text(opts, worst['lower'])} "
+              f"({worst['images']} images, {worst['objects']} objects, {opts['bootstrap']} replicates); "
+              f"{len(rows)} group(s) assessed")
     details = {"iou": str(opts["iou"]), "statistic": opts["statistic"], "confidence": opts["confidence"],
                "bootstrap": opts["bootstrap"], "bound": "percentile bootstrap over images (an estimate, not exact)",
                "by": _by(opts), "max_detections": opts["max_detections"], "min_images": opts["min_images"],
@@ -206,10 +213,9 @@ def _measure_recall(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
             candidates.append((label, "all classes", rows[-1]))
     key = "lower" if opts["statistic"] == "bound" else "recall"
     label, what, worst = min(candidates, key=lambda t: (t[2][key], t[2]["recall"]))
-    gated = "bootstrap lower bound" if key == "lower" else "estimate (statistic='estimate', no bound compared)"
     detail = (f"worst {label}, {what}: recall {worst['recall']:.3f} at score ≥ {opts['score_threshold']:g}, IoU ≥ "
-              f"{float(opts['iou']):g}; {opts['confidence']:.0%} {gated} {worst['lower']:.3f} ({worst['objects']} "
-              f"objects); {len(rows)} group(s) assessed")
+              f"{float(opts['iou']):g}, {_bound_text(opts, worst['lower'])} ({worst['objects']} objects, "
+              f"{opts['bootstrap']} replicates); {len(rows)} group(s) assessed")
     details = {"iou": float(opts["iou"]), "score_threshold": opts["score_threshold"], "per_class": opts["per_class"],
                "statistic": opts["statistic"], "confidence": opts["confidence"], "bootstrap": opts["bootstrap"],
                "bound": "percentile bootstrap over images (an estimate, not exact)", "by": _by(opts),
