@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from sklearn.model_selection import train_test_split
 
-from canvas_demo.data import CLUTTER, DOMAINS, LIGHTING, Canvases, draw_scenarios, load_glyphs, render
+from canvas_demo.data import DOMAINS, Canvases, draw_scenarios, load_glyphs, render
 from canvas_demo.models import BOX_UNIT, GRID, STRIDE, build_detector, build_reader
 
 __all__ = ["main", "N_EVAL", "detector_targets"]

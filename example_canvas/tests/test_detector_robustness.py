@@ -12,20 +12,23 @@ import pytest
 @pytest.mark.min_interpretation_precision(0.65, size=6, stride=3, rho=0.5, task="detection", data="first_canvases")
 def test_detections_break_only_where_the_digit_is(model, first_canvases):
     """Where a 6x6 black patch drops a digit's matched score below 0.5, the patch overlaps that digit's
-    box (M_interpret per digit, mean over digits). Measured: see README."""
+    box (M_interpret per digit, mean over digits). Measured: 0.745 over 158 digits; 45 of them are
+    missed on the clean canvas (matched score < 0.5: every position hot), which pulls the mean down."""
 
 
 @pytest.mark.min_interpretation_precision(0.65, size=6, stride=3, rho=0.5, task="detection", data="first_canvases",
                                           masks="first_digit_masks")
 def test_detections_break_only_where_the_ink_is(model, first_canvases, first_digit_masks):
-    """The same with each digit's ink as its mask instead of its box (a box also holds background)."""
+    """The same with each digit's ink as its mask instead of its box (a box also holds background).
+    Measured: 0.736."""
 
 
 @pytest.mark.max_adversarial_confidence_loss(0.25, eps=0.01, families=("fgsm", "pgd"), clip=(0.0, 1.0),
                                              task="detection", data="first_canvases")
 def test_small_attacks_cost_bounded_confidence(model, first_canvases):
     """FGSM and 10-step PGD inside an L-inf ball of 0.03 (about a twentieth of the night gain 0.35 x ink):
-    mean over digits of the worst drop of its matched score. Measured: see README."""
+    mean over digits of the worst drop of its matched score. Measured: 0.169 (PGD; FGSM 0.149); 53% of
+    the digits stay detected (score >= 0.5) under both, against 72% clean."""
 
 
 @pytest.mark.max_adversarial_confidence_loss(
@@ -34,4 +37,6 @@ def test_small_attacks_cost_bounded_confidence(model, first_canvases):
     clip=(0.0, 1.0), task="detection", data="first_canvases")
 def test_camera_drift_costs_bounded_confidence(model, first_canvases):
     """Natural drift of the camera (sensor noise 0.05, brightness +-0.1, contrast +-20%, blur 0.6 px,
-    roll +-10 degrees): mean over digits of the worst family's drop of the matched score."""
+    roll +-10 degrees): mean over digits of the worst family's drop of the matched score.
+    Measured: 0.402 (rotation alone 0.310, brightness 0.208, noise 0.019, contrast 0.038, blur 0.023):
+    the detector was never trained on rolled or brightened canvases; 0.5 records that, it is no target."""
