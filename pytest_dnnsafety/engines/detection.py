@@ -19,8 +19,11 @@ annotations), so the numbers equal pycocotools' to floating-point rounding:
 Streaming: :meth:`DetectionEngine.update` matches one batch (dense per (image, class) cell, one
 vectorised step per detection rank) and keeps only, per detection, its score, class, image and one
 bit per threshold (matched or not), plus each ground-truth object's image and class — never the
-images. :meth:`DetectionEngine.compute` then evaluates any set of images (a scenario group) from
-those records.
+images. Detections are ragged, so matching a batch reads two small things to the host: the number of
+(image, class) cells and the largest cell sizes, which size the padded tensors; the greedy loop runs
+once per detection rank (at most ``max_detections``), over every cell and threshold at once.
+:meth:`DetectionEngine.evaluate` (mAP) and :meth:`DetectionEngine.recall` then evaluate any set of
+images (a scenario group) from those records.
 
 **Bootstrap bounds.** The detections and objects of one image are dependent (one dark frame loses
 all its pedestrians together), so objects are not independent trials and a binomial bound over
