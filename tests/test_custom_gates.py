@@ -154,7 +154,7 @@ def test_custom_gate_runs_like_a_builtin(gate_project: GateProject, monkeypatch:
     slow = gates["test_too_slow"]
     assert slow["marker"] == marker and slow["metric"] == "mean latency" and slow["op"] == "<="
     assert slow["value"] == 4.0 and slow["threshold"] == 3.0 and slow["status"] == "failed"
-    assert slow["passed"] is False and slow["details"] == {"kept": 4, "seed": 1234}
+    assert slow["passed"] is False and slow["details"] == {"kept": 4, "seed": 1234, "task": "single-label"}
     assert slow["inputs"]["samples"]["fixture"] == "latencies"
     assert slow["inputs"]["samples"]["origin"]["kind"] == "user fixture"
     assert gates["test_fast_without_outlier"]["value"] == 2.0

@@ -210,6 +210,28 @@ WRONG_MODELS = """
     @pytest.fixture(scope="session")
     def monitors():
         return {"energy": Energy()}
+
+
+    class Misplaced(nn.Module):
+        \"\"\"A detector whose one box per image is in the wrong corner: every detection a false positive.\"\"\"
+
+        def forward(self, x):
+            return [{"boxes": torch.tensor([[5.0, 5.0, 8.0, 8.0]]), "labels": torch.tensor([1]),
+                     "scores": torch.tensor([0.9])} for _ in range(x.shape[0])]
+
+
+    @pytest.fixture(scope="session")
+    def misplaced():
+        return Misplaced()
+
+
+    @pytest.fixture(scope="session")
+    def boxes():
+        from pytest_dnnsafety.tasks import DetectionData
+
+        x = torch.as_tensor(np.load(Path(__file__).parent / "data" / "small.npz")["x"][:40])
+        return DetectionData.from_offsets(x, torch.tensor([[0.0, 0.0, 3.0, 3.0]]).repeat(40, 1),
+                                          torch.ones(40, dtype=torch.int64), torch.arange(41))
 """
 
 #: One gate of each built-in family, each given a plainly wrong model (or requirement it cannot meet).
@@ -225,6 +247,7 @@ WRONG = {
     "monitors": 'max_monitor_selective_risk(0.2, monitor="energy")',
     "inspection": 'max_class_confusion(0.8, layer="net.classifier.0", unpredicted="exclude", model="scrambled")',
     "quantification": 'min_safe_radius(0.3, d=0.05, iterations=5, starts=1, data="few")',
+    "detection": 'min_detection_map(0.5, model="misplaced", data="boxes", min_images=10, bootstrap=100)',
 }
 
 
