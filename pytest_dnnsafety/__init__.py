@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
     from .hookspecs import hookimpl
     from .outputs import ForwardGuard
+    from .tasks import BoxSet, DetectionData, detection_collate
     from .activations import ActivationCache, capture
     from .engines.neurons import NeuronKActivationEngine, NeuronPatternEngine
     from .engines.reliability import ReliabilityResult, assess_reliability
@@ -74,6 +75,9 @@ __all__ = [
     "MonitorView",
     "MSP",
     "DetectionScore",
+    "BoxSet",
+    "DetectionData",
+    "detection_collate",
     "ODIN",
     "Energy",
     "OutsideTheBox",
@@ -118,6 +122,9 @@ _LAZY = {
     "MonitorView": ".engines.monitors",
     "MSP": ".engines.monitors",
     "DetectionScore": ".engines.monitors",
+    "BoxSet": ".tasks",
+    "DetectionData": ".tasks",
+    "detection_collate": ".tasks",
     "ODIN": ".engines.monitors",
     "Energy": ".engines.monitors",
     "OutsideTheBox": ".engines.monitors",

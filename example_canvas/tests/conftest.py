@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_dnnsafety.engines.monitors.detection import DetectionScore
+from pytest_dnnsafety import DetectionData, DetectionScore
 
 from canvas_demo.models import build_reader
 
@@ -38,8 +38,6 @@ def ml_data():
 def first_canvases(dataset):
     """The first 60 evaluation canvases (about 160 digits) with their boxes: the occlusion and attack
     gates query the detector hundreds of times per canvas, so they run on a sample."""
-    from pytest_dnnsafety.tasks import DetectionData  # noqa: PLC0415
-
     return DetectionData(dataset.x[:60], dataset.targets.images(0, 60))
 
 

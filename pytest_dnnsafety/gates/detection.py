@@ -187,6 +187,7 @@ def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Mea
               f"{len(rows)} group(s) assessed")
     details = {"iou": str(opts["iou"]), "statistic": opts["statistic"], "confidence": opts["confidence"],
                "bootstrap": opts["bootstrap"], "bound": "percentile bootstrap over images (an estimate, not exact)",
+               "bound_kind": "estimate",
                "by": _by(opts), "max_detections": opts["max_detections"], "min_images": opts["min_images"],
                "worst_group": worst["group"], "small_groups": small, "map_groups": rows}
     bound = worst["lower"] if key == "lower" else None
@@ -218,8 +219,8 @@ def _measure_recall(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
               f"{opts['bootstrap']} replicates); {len(rows)} group(s) assessed")
     details = {"iou": float(opts["iou"]), "score_threshold": opts["score_threshold"], "per_class": opts["per_class"],
                "statistic": opts["statistic"], "confidence": opts["confidence"], "bootstrap": opts["bootstrap"],
-               "bound": "percentile bootstrap over images (an estimate, not exact)", "by": _by(opts),
-               "worst_group": label, "worst_class": what, "small_groups": small, "recall_groups": rows}
+               "bound": "percentile bootstrap over images (an estimate, not exact)", "bound_kind": "estimate",
+               "by": _by(opts), "worst_group": label, "worst_class": what, "small_groups": small, "recall_groups": rows}
     bound = worst["lower"] if key == "lower" else None
     return Measurement(value=worst["recall"], bound=bound, detail=detail, details=details,
                        inconclusive="; ".join(problems) or None)
