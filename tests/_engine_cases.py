@@ -40,6 +40,7 @@ from pytest_dnnsafety.engines.confusion import WeightedConfusionEngine
 from pytest_dnnsafety.engines.inspection import InspectionEngine
 from pytest_dnnsafety.engines.monitors.features import ClassGaussianStats
 from pytest_dnnsafety.engines.monitors.metrics import DetectionEngine
+from pytest_dnnsafety.engines.multilabel import MultiLabelInspectionEngine
 from pytest_dnnsafety.engines.neurons import NeuronKActivationEngine
 from pytest_dnnsafety.engines.occlusion import OcclusionEngine
 from pytest_dnnsafety.engines.patterns import NeuronPatternEngine
@@ -116,6 +117,13 @@ def _inspection_rows(seed: int) -> dict[str, Tensor]:
     labels = _ints(gen, 4, N)
     return {"active": _bools(gen, N, 6), "predictions": torch.where(_bools(gen, N, p=0.7), labels, _ints(gen, 4, N)),
             "labels": labels}
+
+
+def _multilabel_rows(seed: int) -> dict[str, Tensor]:
+    gen = _gen(seed)
+    labels = _bools(gen, N, 4, p=0.4)
+    return {"active": _bools(gen, N, 6), "predicted": labels ^ _bools(gen, N, 4, p=0.2),
+            "labels": labels.to(torch.int64)}
 
 
 def _gaussian_rows(seed: int) -> dict[str, Tensor]:
@@ -236,6 +244,8 @@ CASES: tuple[EngineCase, ...] = (
                _confusion_rows, _positional("predictions", "labels")),
     EngineCase(InspectionEngine, lambda device: InspectionEngine(6, 4, threshold=0.5, device=device),
                _inspection_rows, _positional("active", "predictions", "labels")),
+    EngineCase(MultiLabelInspectionEngine, lambda device: MultiLabelInspectionEngine(6, 4, threshold=0.5, device=device),
+               _multilabel_rows, _positional("active", "predicted", "labels")),
     EngineCase(ClassGaussianStats, lambda device: ClassGaussianStats(3, 4, device=device),
                _gaussian_rows, _positional("features", "classes"), exact=False,
                why="float64 sums of the features and of their outer products: the rounding depends on the split"),

@@ -437,6 +437,17 @@ def _int_vector(t: Any, name: str) -> Tensor:
     return t
 
 
+def layer_counts(engine: Engine, n_neurons: int, num_classes: int, threshold: float | None) -> None:
+    """The states every DeepInspect engine keeps for one layer: ``active_counts`` ``(units, K)`` and
+    ``predicted_counts`` ``(K,)`` (sum-reduced), after checking the sizes and the activation threshold."""
+    for name, value, low in (("n_neurons", n_neurons, 1), ("num_classes", num_classes, 2)):
+        check_count(value, name, low, "give the layer's number of units and the model's number of classes.")
+    engine.n_neurons, engine.num_classes = n_neurons, num_classes  # type: ignore[attr-defined]
+    engine.threshold = None if threshold is None else check_threshold(threshold)  # type: ignore[attr-defined]
+    engine.add_state("active_counts", torch.zeros((n_neurons, num_classes), dtype=torch.int64), "sum")
+    engine.add_state("predicted_counts", torch.zeros(num_classes, dtype=torch.int64), "sum")
+
+
 class InspectionEngine(Engine):
     """Streaming DeepInspect counts of one layer (see the module doc); ``compute`` gives an :class:`InspectionResult`.
 
@@ -447,12 +458,7 @@ class InspectionEngine(Engine):
     def __init__(self, n_neurons: int, num_classes: int, *, threshold: float | None = DEFAULT_THRESHOLD,
                  device: torch.device | str | None = None) -> None:
         super().__init__(device)
-        for name, value, low in (("n_neurons", n_neurons, 1), ("num_classes", num_classes, 2)):
-            check_count(value, name, low, "give the layer's number of units and the model's number of classes.")
-        self.n_neurons, self.num_classes = n_neurons, num_classes
-        self.threshold = None if threshold is None else check_threshold(threshold)
-        self.add_state("active_counts", torch.zeros((n_neurons, num_classes), dtype=torch.int64), "sum")
-        self.add_state("predicted_counts", torch.zeros(num_classes, dtype=torch.int64), "sum")
+        layer_counts(self, n_neurons, num_classes, threshold)
         self.add_state("confusion", torch.zeros((num_classes, num_classes), dtype=torch.int64), "sum")
         self.add_state("labelled", torch.zeros((), dtype=torch.int64), "sum")
         self.add_state("seen", torch.zeros((), dtype=torch.int64), "sum")

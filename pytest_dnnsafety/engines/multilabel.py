@@ -68,8 +68,8 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.base import Engine
-from pytest_dnnsafety.engines.checks import check_count
-from pytest_dnnsafety.engines.inspection_kernels import DEFAULT_THRESHOLD, check_threshold, unpack_active
+from pytest_dnnsafety.engines.inspection import layer_counts
+from pytest_dnnsafety.engines.inspection_kernels import DEFAULT_THRESHOLD, unpack_active
 from pytest_dnnsafety.errors import ConfigError, DataError
 
 __all__ = [
@@ -167,13 +167,8 @@ class MultiLabelInspectionEngine(Engine):
     def __init__(self, n_neurons: int, num_classes: int, *, threshold: float | None = DEFAULT_THRESHOLD,
                  device: torch.device | str | None = None) -> None:
         super().__init__(device)
-        for name, value, low in (("n_neurons", n_neurons, 1), ("num_classes", num_classes, 2)):
-            check_count(value, name, low, "give the layer's number of units and the model's number of classes.")
-        self.n_neurons, self.num_classes = n_neurons, num_classes
-        self.threshold = None if threshold is None else check_threshold(threshold)
+        layer_counts(self, n_neurons, num_classes, threshold)
         k = num_classes
-        self.add_state("active_counts", torch.zeros((n_neurons, k), dtype=torch.int64), "sum")
-        self.add_state("predicted_counts", torch.zeros(k, dtype=torch.int64), "sum")
         for name in ("both", "only", "together"):
             self.add_state(name, torch.zeros((k, k), dtype=torch.int64), "sum")
         self.add_state("labelled", torch.zeros((), dtype=torch.int64), "sum")

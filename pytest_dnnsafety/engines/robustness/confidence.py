@@ -290,6 +290,20 @@ def _eps_per_family(eps: float | Mapping[str, float], names: list[str]) -> list[
     return out
 
 
+def checked_families(families: Any, what: str = "adversarial confidence") -> tuple[list[str], list[Any]]:
+    """The family names and callables of a ``{name: family}`` mapping; a ConfigError when empty or not callable."""
+    if not isinstance(families, Mapping) or not families:
+        raise ConfigError(f"{what}: no perturbation families given. Fix: name at least one, e.g. "
+                          "families={'fgsm': make_family('fgsm')}.")
+    names = [str(name) for name in families]
+    fams = list(families.values())
+    for name, fam in zip(names, fams):
+        if not callable(fam):
+            raise ConfigError(f"{what}: family {name!r} is {type(fam).__name__}, not a callable "
+                              f"f(model, x, y, eps, generator) -> x'.")
+    return names, fams
+
+
 def assess_adversarial_confidence(
     model: Any,
     data: Any,
@@ -316,15 +330,7 @@ def assess_adversarial_confidence(
     :class:`~pytest_dnnsafety.ranks.Shard` of the batches (None: all of them); the ranks' states
     are all-reduced, so every rank gets the single-process result.
     """
-    if not isinstance(families, Mapping) or not families:
-        raise ConfigError("adversarial confidence: no perturbation families given. Fix: name at least one, e.g. "
-                          "families={'fgsm': make_family('fgsm')}.")
-    names = [str(name) for name in families]
-    fams = list(families.values())
-    for name, fam in zip(names, fams):
-        if not callable(fam):
-            raise ConfigError(f"adversarial confidence: family {name!r} is {type(fam).__name__}, not a callable "
-                              f"f(model, x, y, eps, generator) -> x'.")
+    names, fams = checked_families(families)
     budgets = _eps_per_family(eps, names)
     clip = check_clip(clip)
     if outputs not in ("auto", *OUTPUTS):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError, DataError
+from ...errors import DataError
 from ...outputs import eval_mode, model_dtype_device
 from ...tasks import BoxSet
 from ..checks import check_count
@@ -37,7 +37,7 @@ from ..detector_scores import grouped_matched_scores
 from ..runner import Runner
 from .attacks import check_clip
 from .confidence import (AdversarialConfidenceEngine, AdversarialConfidenceResult, _eps_per_family, _family_seed,
-                         _run_family)
+                         _run_family, checked_families)
 
 __all__ = ["assess_detector_confidence", "SCORE_THRESHOLD"]
 
@@ -55,15 +55,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
     data's range checked against ``clip`` after the loop; ``shard``: this rank's batches, states all-reduced),
     with matched scores in place of true-class probabilities.
     """
-    if not isinstance(families, Mapping) or not families:
-        raise ConfigError("adversarial confidence (detection): no perturbation families given. Fix: name at least "
-                          "one, e.g. families=('gaussian_noise', 'brightness').")
-    names = [str(name) for name in families]
-    fams = list(families.values())
-    for name, fam in zip(names, fams):
-        if not callable(fam):
-            raise ConfigError(f"adversarial confidence: family {name!r} is {type(fam).__name__}, not a callable "
-                              f"f(model, x, y, eps, generator) -> x'.")
+    names, fams = checked_families(families, "adversarial confidence (detection)")
     budgets = _eps_per_family(eps, names)
     clip = check_clip(clip)
     check_count(batch_size, "batch_size", fix="give a positive batch size, e.g. batch_size=256.")
