@@ -23,6 +23,7 @@ an error naming the task and the fix (:func:`unsupported`), never a pass. Pure t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -339,9 +340,39 @@ def check_multilabel(y: Tensor, what: str) -> None:
                         "with one column per class.")
 
 
+_PEEKED: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
+
+
+def _peeked_task(dataset: Any) -> str | None:
+    """The task of a map-style dataset's first item (read once per dataset and process, then remembered)."""
+    try:
+        return _PEEKED[dataset]
+    except (KeyError, TypeError):
+        pass
+    task: str | None = None
+    try:
+        item = dataset[0]
+    except Exception:
+        item = None
+    if isinstance(item, (tuple, list)) and len(item) > 1:
+        if isinstance(item[1], Mapping):
+            task = DETECTION
+        else:
+            y = torch.as_tensor(item[1])
+            task = MULTI if y.ndim == 1 and y.shape[0] > 1 else SINGLE
+    try:
+        _PEEKED[dataset] = task
+    except TypeError:  # not weak-referenceable: read again next time
+        pass
+    return task
+
+
 def infer_task(data: Any) -> str | None:
     """The task the data's labels imply: ``detection`` for boxes, ``multi-label`` for a 2-D label matrix,
-    ``single-label`` for 1-D labels, ``None`` when it cannot be told without reading the data."""
+    ``single-label`` for 1-D labels, ``None`` when it cannot be told. Tensors and ``TensorDataset`` are
+    read from their shapes; a ``DataLoader`` with :func:`detection_collate`, or over a dataset with a
+    ``task`` attribute, says so; another map-style dataset has its first item read once (remembered per
+    dataset), an iterable one is not read (``None``)."""
     source = data.dataset if isinstance(data, torch.utils.data.DataLoader) else data
     declared = getattr(source, "task", None)
     if declared in TASKS:
@@ -360,16 +391,7 @@ def infer_task(data: Any) -> str | None:
         if is_detection_output(y):
             return DETECTION
     elif isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
-        try:
-            item = source[0]
-        except Exception:
-            return None
-        if isinstance(item, (tuple, list)) and len(item) > 1:
-            if isinstance(item[1], Mapping):
-                return DETECTION
-            y = torch.as_tensor(item[1])
-            return MULTI if y.ndim == 1 and y.shape[0] > 1 else SINGLE
-        return None
+        return _peeked_task(source)
     else:
         return None
     if y is None:

@@ -37,6 +37,7 @@ from torch import Tensor
 import pytest_dnnsafety
 from pytest_dnnsafety.engines.base import Engine
 from pytest_dnnsafety.engines.confusion import WeightedConfusionEngine
+from pytest_dnnsafety.engines.detection import BoxMatchEngine
 from pytest_dnnsafety.engines.inspection import InspectionEngine
 from pytest_dnnsafety.engines.monitors.features import ClassGaussianStats
 from pytest_dnnsafety.engines.monitors.metrics import DetectionEngine
@@ -172,6 +173,34 @@ def _performance_rows(seed: int) -> dict[str, Tensor]:
     return {"group_index": _ints(gen, 6, N), "correct": _bools(gen, N, p=0.8), "labels": _ints(gen, 3, N)}
 
 
+def _coco_rows(seed: int) -> dict[str, Tensor]:
+    """Per image up to 3 objects and 4 detections (padded, with validity masks): jittered copies and clutter."""
+    gen = _gen(seed)
+    corner = torch.rand(N, 3, 2, generator=gen) * 20
+    gt = torch.cat([corner, corner + 4 + torch.rand(N, 3, 2, generator=gen) * 8], dim=2)
+    pick = _ints(gen, 3, N * 4).reshape(N, 4)
+    det = gt[torch.arange(N)[:, None], pick] + torch.randn(N, 4, 4, generator=gen)
+    det[..., 2:] = torch.maximum(det[..., 2:], det[..., :2] + 1)
+    gt_label, det_label = _ints(gen, 3, N * 3).reshape(N, 3), _ints(gen, 3, N * 4).reshape(N, 4)
+    return {"gt": gt, "gt_label": gt_label, "gt_valid": _bools(gen, N, 3, p=0.6), "det": det,
+            "det_label": torch.where(_bools(gen, N, 4, p=0.7), gt_label[torch.arange(N)[:, None], pick], det_label),
+            "det_score": torch.rand(N, 4, generator=gen, dtype=torch.float64), "det_valid": _bools(gen, N, 4, p=0.7)}
+
+
+def _coco_args(chunk: dict[str, Tensor], start: int, trusted: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from pytest_dnnsafety.tasks import BoxSet
+
+    n = chunk["gt"].shape[0]
+
+    def packed(prefix: str, per: int, scores: bool) -> BoxSet:
+        valid = chunk[f"{prefix}_valid"]
+        image = torch.arange(n, device=valid.device)[:, None].expand(n, per)[valid]
+        return BoxSet(chunk[prefix][valid], chunk[f"{prefix}_label"][valid], image, n,
+                      chunk["det_score"][valid] if scores else None)
+
+    return (packed("det", 4, True), packed("gt", 3, False)), {"start": start}
+
+
 def _tally_rows(seed: int) -> dict[str, Tensor]:
     gen = _gen(seed)
     return {"cells": _ints(gen, 7, N), "predictions": _ints(gen, 3, N)}
@@ -244,6 +273,8 @@ CASES: tuple[EngineCase, ...] = (
                _confusion_rows, _positional("predictions", "labels")),
     EngineCase(InspectionEngine, lambda device: InspectionEngine(6, 4, threshold=0.5, device=device),
                _inspection_rows, _positional("active", "predictions", "labels")),
+    EngineCase(BoxMatchEngine, lambda device: BoxMatchEngine([0.5, 0.75], max_detections=3, device=device),
+               _coco_rows, _coco_args),
     EngineCase(MultiLabelInspectionEngine, lambda device: MultiLabelInspectionEngine(6, 4, threshold=0.5, device=device),
                _multilabel_rows, _positional("active", "predicted", "labels")),
     EngineCase(ClassGaussianStats, lambda device: ClassGaussianStats(3, 4, device=device),

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SHAPE", "TINY", "StreamingImages", "StreamNet", "stream_net", "FAMILIES", "CONFTEST", "MODEL_FREE",
+__all__ = ["SHAPE", "TINY", "StreamingImages", "StreamingBoxes", "StreamDetector", "StreamNet", "stream_net", "FAMILIES", "CONFTEST", "MODEL_FREE",
            "write_project"]
 
 SHAPE = (3, 32, 32)
@@ -68,6 +68,38 @@ class StreamingImages(torch.utils.data.Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         label = index % CLASSES
         return 0.6 * _templates(self.shape)[label] + 0.4 * torch.rand(self.shape, generator=gen), label
+
+
+class StreamingBoxes(StreamingImages):
+    """:class:`StreamingImages` as detection data: each image holds one object, its class's template, in the
+    box ``BOX`` (every eighth image none: an empty image); read one input at a time, counted the same way."""
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # type: ignore[override]
+        image, label = super().__getitem__(index)
+        if int(index) % 8 == 7:
+            return image, {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}
+        return image, {"boxes": torch.tensor([BOX]), "labels": torch.tensor([label])}
+
+
+#: The object box of :class:`StreamingBoxes` and the box :class:`StreamDetector` answers with.
+BOX = (4.0, 4.0, 28.0, 28.0)
+
+
+class StreamDetector(nn.Module):
+    """A detector made of :class:`StreamNet`: one box per image at ``BOX`` (shifted by the class's logit margin,
+    so some boxes miss), scored by the softmax top probability, labelled with the arg-max class."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        prob = torch.softmax(self.net(x), dim=1)
+        score, label = prob.max(dim=1)
+        shift = (1.0 - score) * 12.0  # unsure: the box drifts off the object
+        boxes = torch.tensor(BOX, device=x.device) + shift[:, None]
+        return [{"boxes": boxes[i:i + 1], "scores": score[i:i + 1], "labels": label[i:i + 1]}
+                for i in range(x.shape[0])]
 
 
 class StreamNet(nn.Module):
@@ -141,6 +173,8 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
                                  "ascent_steps=2, certified_steps=3)"]),
     "pmi": ("pmi", ["max_pmi_ub(1.0, cells='balls', norm='linf', radius=0.02, clip=(0, 1), samples_per_cell=150, "
                     "bootstrap=0, profile='pmi_data')"]),
+    "detection": ("boxes", ["min_detection_map(0.0, by=['light'], min_images=5, bootstrap=100)",
+                            "min_detection_recall(0.0, by=['light'], min_images=5, bootstrap=100)"]),
 }
 
 #: Families whose gates read no model (min_scene_coverage reads the scenario table and the data's length).
@@ -155,8 +189,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _streaming import SHAPE, TINY, StreamingImages, stream_net
-from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile
+from _streaming import SHAPE, TINY, StreamDetector, StreamingBoxes, StreamingImages, stream_net
+from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile, detection_collate
 from pytest_dnnsafety.outputs import probing
 from pytest_dnnsafety.profile import PCA
 from pytest_dnnsafety.scenarios import Conditions, ScenarioTable
@@ -173,6 +207,12 @@ def _loader(n, seed=0, tag="data", shape=SHAPE, batch_size=BATCH):
     data = StreamingImages(n, seed=seed, tag=tag, shape=shape)
     DATASETS.append(data)
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
+
+
+def _box_loader(n, tag):
+    data = StreamingBoxes(n, tag=tag)
+    DATASETS.append(data)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=detection_collate)
 
 
 def _counted(net, tag):
@@ -212,15 +252,29 @@ def tiny_model():
     return _counted(stream_net(TINY), "tiny")
 
 
+@pytest.fixture(scope="session")
+def box_data():
+    return _box_loader(N, tag="boxes")
+
+
+@pytest.fixture(scope="session")
+def detector():
+    return _counted(StreamDetector(stream_net()), "detector")
+
+
 def _family_fixtures(family, kind):
     shape = TINY if kind == "tiny" else SHAPE
 
     def data():
         if kind == "dataset":
             return _loader(N, tag=family)
+        if kind == "boxes":
+            return _box_loader(N, tag=family)
         return _loader(N_SMALL, tag=family, shape=shape, batch_size=BATCH_SMALL)
 
     def model():
+        if kind == "boxes":
+            return _counted(StreamDetector(stream_net()), family)
         return _counted(stream_net(shape), family)
 
     return (pytest.fixture(scope="session", name="data_" + family)(data),
@@ -316,8 +370,9 @@ def write_project(root: Path, families: dict[str, tuple[str, list[str]]] | None 
                                          'dnnsafety_batch_size = "64"\n')
     lines, tests = ["import pytest", ""], {}
     for family, (kind, markers) in families.items():
-        data = {"dataset": "dataset", "small": "small_data", "tiny": "tiny_data", "pmi": "pmi_data"}[kind]
-        model = "tiny_model" if kind == "tiny" else "model"
+        data = {"dataset": "dataset", "small": "small_data", "tiny": "tiny_data", "pmi": "pmi_data",
+                "boxes": "box_data"}[kind]
+        model = {"tiny": "tiny_model", "boxes": "detector"}.get(kind, "model")
         if per_family:
             data = data if kind == "pmi" else f"data_{family}"
             model = model if family in MODEL_FREE else f"model_{family}"

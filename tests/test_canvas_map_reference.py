@@ -3,7 +3,7 @@
 The trained detector of the second example project runs on its 540 evaluation canvases (1–4 digits,
 crowded ones with overlapping digits included) plus blank canvases with no object (empty images) and
 blank canvases with an annotated object the detector cannot find (images without detections). Our
-streamed, batched :class:`~pytest_dnnsafety.engines.detection.DetectionEngine` must give pycocotools'
+streamed, batched :class:`~pytest_dnnsafety.engines.detection.BoxMatchEngine` must give pycocotools'
 mAP@[.5:.95], mAP@.5 and every class's AP to 1e-6.
 
 The project's trained files are used when README command 1 (or CI step 1) already wrote them;
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pytest_dnnsafety.data import iter_batches
-from pytest_dnnsafety.engines.detection import DetectionEngine
+from pytest_dnnsafety.engines.detection import BoxMatchEngine
 from pytest_dnnsafety.outputs import ForwardGuard
 from pytest_dnnsafety.tasks import BoxSet, DetectionData
 
@@ -68,7 +68,7 @@ def test_map_of_the_example_detector_equals_pycocotools(trained: Path) -> None:
     model = _detector(trained)
     data = _with_blank_canvases(trained)
     guard = ForwardGuard("example detector", task="detection", num_classes=10)
-    engine = DetectionEngine()
+    engine = BoxMatchEngine()
     parts = []
     start = 0
     with torch.no_grad():

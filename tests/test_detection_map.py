@@ -19,7 +19,7 @@ import torch
 
 from _coco_reference import random_case
 from pytest_dnnsafety.engines.detection import (
-    COCO_IOU_THRESHOLDS, RECALL_POINTS, DetectionEngine, _class_score_order, average_precision, cell_iou)
+    COCO_IOU_THRESHOLDS, RECALL_POINTS, BoxMatchEngine, _class_score_order, average_precision, cell_iou)
 from pytest_dnnsafety.tasks import BoxSet, as_boxset, box_iou
 
 K = 4
@@ -27,9 +27,9 @@ CASES = [dict(), dict(crowded=True), dict(ties=True), dict(crowded=True, ties=Tr
          dict(noise=0.3), dict(noise=0.3, crowded=True, ties=True)]
 
 
-def _engine(dets: BoxSet, gts: BoxSet, cut: int = 5, **kwargs) -> DetectionEngine:
+def _engine(dets: BoxSet, gts: BoxSet, cut: int = 5, **kwargs) -> BoxMatchEngine:
     """Matched in two batches (streaming), the first ``cut`` images first."""
-    engine = DetectionEngine(**kwargs)
+    engine = BoxMatchEngine(**kwargs)
     engine.update(dets.images(0, cut), gts.images(0, cut))
     engine.update(dets.images(cut, dets.n_images), gts.images(cut, gts.n_images), start=cut)
     return engine
@@ -179,7 +179,7 @@ def test_hand_computed_case() -> None:
                        "labels": torch.tensor([1, 1]), "scores": torch.tensor([0.9, 0.8])},
                       {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
                        "scores": torch.zeros(0)}], 2, "dets", scores=True)
-    engine = DetectionEngine([0.5])
+    engine = BoxMatchEngine([0.5])
     engine.update(dets, gts)
     assert engine.evaluate().map == pytest.approx(51 / 101)
     recall = engine.recall(score_threshold=0.5)
@@ -193,14 +193,14 @@ def test_a_group_without_ground_truth_has_no_map_and_empty_data_no_records() -> 
     if not bool(no_gt.any()):
         pytest.skip("case has an object in every image")
     assert math.isnan(engine.evaluate(no_gt).map)
-    empty = DetectionEngine()
+    empty = BoxMatchEngine()
     assert math.isnan(empty.evaluate().map)
 
 
 # ------------------------------------------------------------------------------------- bootstrap
 
 
-def _sorted_records(engine: DetectionEngine):
+def _sorted_records(engine: BoxMatchEngine):
     score, label, image, matched, gimage, glabel = engine.records()
     classes = torch.unique(torch.cat([label, glabel]))
     cls, gcls = torch.searchsorted(classes, label), torch.searchsorted(classes, glabel)
@@ -232,7 +232,7 @@ def test_integer_weights_equal_duplicated_images_and_01_weights_the_subset() -> 
         picks = [i for i in range(9) for _ in range(w[i])]  # copies next to each other
         dup_d = BoxSet.cat([dets.images(i, i + 1) for i in picks])
         dup_g = BoxSet.cat([gts.images(i, i + 1) for i in picks])
-        ref = DetectionEngine()
+        ref = BoxMatchEngine()
         ref.update(dup_d, dup_g)
         res = ref.evaluate()
         ours = {c: row[i] for i, c in enumerate(torch.unique(torch.cat([engine.records()[1], engine.records()[5]]))
@@ -243,7 +243,7 @@ def test_integer_weights_equal_duplicated_images_and_01_weights_the_subset() -> 
     assert float(torch.nanmean(weighted[1])) == pytest.approx(subset.map, abs=1e-12)
 
 
-def _synthetic_pool(n_images: int, seed: int, thresholds: list[float] | None = None) -> DetectionEngine:
+def _synthetic_pool(n_images: int, seed: int, thresholds: list[float] | None = None) -> BoxMatchEngine:
     """A detector whose misses cluster in 'hard' images (dependent objects), over a large image pool."""
     g = torch.Generator().manual_seed(seed)
     n_obj = torch.randint(1, 4, (n_images,), generator=g)
@@ -258,7 +258,7 @@ def _synthetic_pool(n_images: int, seed: int, thresholds: list[float] | None = N
     jitter = torch.where(found[:, None], torch.rand(m, 4, generator=g) * 2, torch.full((m, 4), 15.0))
     targets = BoxSet(boxes, labels, image, n_images)
     dets = BoxSet(boxes + jitter, labels, image, n_images, score)
-    engine = DetectionEngine(COCO_IOU_THRESHOLDS if thresholds is None else thresholds)
+    engine = BoxMatchEngine(COCO_IOU_THRESHOLDS if thresholds is None else thresholds)
     for start in range(0, n_images, 4000):
         stop = min(start + 4000, n_images)
         engine.update(dets.images(start, stop), targets.images(start, stop), start)

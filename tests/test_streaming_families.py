@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from _streaming import FAMILIES, StreamingImages, write_project
+from pytest_dnnsafety.engines.detection import BOOTSTRAP_CHUNK_ELEMENTS
 from pytest_dnnsafety import ranks
 from pytest_dnnsafety.engines.reliability.streamed import STREAM_ELEMS
 from pytest_dnnsafety.gates import builtin_registry
@@ -53,7 +54,9 @@ PER_INPUT_BY_DESIGN = {"monitors": 6 * 1024}
 #: Families whose working memory is capped by a block of fixed size rather than by the data, and that cap (bytes):
 #: max_pmi_ub's ball cells compare inputs pairwise (r-separation, ball types) holding one block of at most
 #: STREAM_ELEMS float64 values, so below that size the block holds all of this test's inputs and grows with them.
-BLOCK_BY_DESIGN = {"pmi": STREAM_ELEMS * 8}
+#: The detection gates keep about 50 bytes of match records per detection and object, and their bootstrap over
+#: images works in chunks of BOOTSTRAP_CHUNK_ELEMENTS float64 values, which grow with the data up to that size.
+BLOCK_BY_DESIGN = {"pmi": STREAM_ELEMS * 8, "detection": BOOTSTRAP_CHUNK_ELEMENTS * 8}
 
 
 def test_the_streaming_data_set_is_read_one_input_at_a_time() -> None:
@@ -151,7 +154,7 @@ def test_peak_memory_does_not_grow_with_the_data(family: str, peaks: tuple[dict,
     small, large = peaks[0][family], peaks[1][family]
     n, n_small = RSS_SIZES
     kind = FAMILIES[family][0]
-    size = n if kind == "dataset" else n_small
+    size = n if kind in ("dataset", "boxes") else n_small
     if family != "coverage":  # min_scene_coverage reads the table and the data's length, not the data
         assert sum(large["loaded"].values()) >= 10 * size, large  # every input was read, one at a time
     ratio = large["peak_kib"] / small["peak_kib"]

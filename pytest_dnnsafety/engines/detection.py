@@ -16,13 +16,13 @@ annotations), so the numbers equal pycocotools' to floating-point rounding:
   last recall it is 0) and averaged; classes without ground truth are left out of the mean;
   mAP@[.5:.95] is the mean over classes and thresholds, mAP@.5 the mean at ``t = 0.5``.
 
-Streaming: :meth:`DetectionEngine.update` matches one batch (dense per (image, class) cell, one
+Streaming: :meth:`BoxMatchEngine.update` matches one batch (dense per (image, class) cell, one
 vectorised step per detection rank) and keeps only, per detection, its score, class, image and one
 bit per threshold (matched or not), plus each ground-truth object's image and class — never the
 images. Detections are ragged, so matching a batch reads two small things to the host: the number of
 (image, class) cells and the largest cell sizes, which size the padded tensors; the greedy loop runs
 once per detection rank (at most ``max_detections``), over every cell and threshold at once.
-:meth:`DetectionEngine.evaluate` (mAP) and :meth:`DetectionEngine.recall` then evaluate any set of
+:meth:`BoxMatchEngine.evaluate` (mAP) and :meth:`BoxMatchEngine.recall` then evaluate any set of
 images (a scenario group) from those records.
 
 **Bootstrap bounds.** The detections and objects of one image are dependent (one dark frame loses
@@ -53,8 +53,9 @@ from torch import Tensor
 
 from ..errors import ConfigError, MetricError
 from ..tasks import BoxSet
+from .base import Engine
 
-__all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "DetectionEngine", "GroupMAP", "GroupRecall", "average_precision"]
+__all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
 
 
 def _linspace(start: float, stop: float, num: int) -> Tensor:
@@ -69,7 +70,9 @@ COCO_IOU_THRESHOLDS = _linspace(0.5, 0.95, 10)
 #: pycocotools' ``recThrs``: 0.00, 0.01, …, 1.00.
 RECALL_POINTS = _linspace(0.0, 1.0, 101)
 _EPS = 2.220446049250313e-16  # np.spacing(1)
-_CHUNK_ELEMENTS = 1 << 23  # replicates × detections × thresholds per chunk (64 MiB of float64)
+#: Replicates × detections × thresholds of one bootstrap chunk (64 MiB of float64): the bootstrap's working
+#: memory is a few such blocks split over the classes, whatever the number of images.
+BOOTSTRAP_CHUNK_ELEMENTS = 1 << 23
 
 
 def _check_thresholds(iou_thresholds: Any) -> Tensor:
@@ -79,49 +82,80 @@ def _check_thresholds(iou_thresholds: Any) -> Tensor:
     return thr
 
 
-class DetectionEngine:
+class BoxMatchEngine(Engine):
     """Per-detection match records of a detector over a data set (see the module docstring).
 
     ``iou_thresholds``: the thresholds matched at (default COCO's ten); ``max_detections``: the
-    detections kept per image and class (by score; COCO 100).
+    detections kept per image and class (by score; COCO 100). The records are ``cat`` states and the
+    image count a ``max`` state, so engines of disjoint image ranges (pytest-xdist workers, torchrun
+    ranks) merge and all-reduce into the single pass's records; :meth:`records` orders them by image
+    (stably), so the result does not depend on the order the parts were merged in.
     """
 
     def __init__(self, iou_thresholds: Any = COCO_IOU_THRESHOLDS, max_detections: int = 100,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(device)
         if isinstance(max_detections, bool) or not isinstance(max_detections, int) or max_detections < 1:
             raise ConfigError(f"max_detections must be a positive int, got {max_detections!r}")
         self.thresholds = _check_thresholds(iou_thresholds)
         self.max_detections = max_detections
-        self.device = torch.device(device)
-        self.n_images = 0
-        self._dets: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # score, class, image, matched (n, T)
-        self._gts: list[tuple[Tensor, Tensor]] = []  # image, class
+        T = self.thresholds.numel()
+        int64 = torch.int64
+        self.add_state("det_score", torch.zeros(0, dtype=torch.float64), "cat")
+        self.add_state("det_class", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("det_image", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("det_matched", torch.zeros(0, T, dtype=torch.bool), "cat")
+        self.add_state("gt_image", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("gt_class", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("image_count", torch.zeros((), dtype=int64), "max")
+        self._next = 0  # the default start of the next batch (host side, no sync)
+
+    def config(self) -> dict[str, Any]:
+        return {"iou_thresholds": self.thresholds.tolist(), "max_detections": self.max_detections}
+
+    def reset(self) -> None:
+        super().reset()
+        self._next = 0
+
+    @property
+    def n_images(self) -> int:
+        """Images seen (the largest image index + 1 over every part merged in; one host read)."""
+        return int(self.image_count)
 
     # ------------------------------------------------------------------ matching
     def update(self, detections: BoxSet, targets: BoxSet, start: int | None = None) -> None:
         """Match one batch: ``detections`` (with scores) and ``targets`` of the same ``n_images`` images,
-        whose first image is data row ``start`` (default: right after the previous batch)."""
+        whose first image is data row ``start`` (default: right after the previous batch). No host sync
+        beyond the two small reads that size the matching (see the module docstring)."""
         if detections.scores is None:
             raise MetricError("detection matching needs detections with scores")
         if detections.n_images != targets.n_images:
             raise MetricError(f"{detections.n_images} images of detections but {targets.n_images} of targets")
-        start = self.n_images if start is None else int(start)
-        self.n_images = max(self.n_images, start + targets.n_images)
+        start = self._next if start is None else int(start)
+        self._next = start + targets.n_images
         dev = targets.device
         dets = detections.to(dev)
         score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
-        self._dets.append((score, label, image + start, matched))
-        self._gts.append((targets.image + start, targets.labels))
+        self.append_state("det_score", score)
+        self.append_state("det_class", label)
+        self.append_state("det_image", image + start)
+        self.append_state("det_matched", matched)
+        self.append_state("gt_image", targets.image + start)
+        self.append_state("gt_class", targets.labels)
+        self.image_count = torch.maximum(self.image_count, torch.tensor(start + targets.n_images,
+                                                                        device=self.image_count.device))
 
     def records(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """All batches' records: detection score, class, image, matched ``(D, T)``; object image, class."""
-        T = self.thresholds.numel()
-        if self._dets:
-            score, label, image, matched = (torch.cat(p) for p in zip(*self._dets))
-            gimage, glabel = (torch.cat(p) for p in zip(*self._gts))
-            return score, label, image, matched, gimage, glabel
-        empty = torch.zeros(0, dtype=torch.int64)
-        return torch.zeros(0, dtype=torch.float64), empty, empty, torch.zeros(0, T, dtype=torch.bool), empty, empty
+        """All batches' records, detections ordered by image (stably): detection score, class, image,
+        matched ``(D, T)``; object image, class."""
+        image = self.det_image
+        order = torch.sort(image, stable=True).indices
+        return (self.det_score[order], self.det_class[order], image[order], self.det_matched[order],
+                self.gt_image, self.gt_class)
+
+    def compute(self) -> "GroupMAP":
+        """mAP of every image seen (no bootstrap): :meth:`evaluate` with its defaults."""
+        return self.evaluate()
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, images: Tensor | None = None, *, bootstrap: int = 0, confidence: float = 0.95,
@@ -159,7 +193,7 @@ class DetectionEngine:
         if bootstrap:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
             maps = []
-            chunk = max(1, _CHUNK_ELEMENTS // max(1, score.numel() * matched.shape[1], n_img * max(K, 1)))
+            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // max(1, score.numel() * matched.shape[1], n_img * max(K, 1)))
             for first in range(0, bootstrap, chunk):
                 b = min(chunk, bootstrap - first)
                 weights = _multinomial_weights(b, n_img, gen).to(score.device)

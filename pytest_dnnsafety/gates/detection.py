@@ -45,7 +45,7 @@ def _by(opts: Mapping[str, Any]) -> list[str]:
 
 
 def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float | None) -> tuple[Any, list[int]]:
-    """The filled DetectionEngine and the columns of ``iou`` (None: COCO's ten) in its thresholds.
+    """The filled BoxMatchEngine and the columns of ``iou`` (None: COCO's ten) in its thresholds.
 
     Matched at COCO's ten thresholds whenever ``iou`` is one of them, once per session for a model and
     data set (:meth:`GateContext.memo`): the mAP and recall gates on the same fixtures share one pass.
@@ -69,16 +69,17 @@ def _match_all(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, threshol
     """Run the model over the data and match every batch (one Runner pass)."""
     import torch
 
-    from ..engines.detection import COCO_IOU_THRESHOLDS, DetectionEngine
+    from ..engines.detection import COCO_IOU_THRESHOLDS, BoxMatchEngine
     from ..engines.runner import Runner
     from ..outputs import eval_mode
     from ..tasks import BoxSet
 
     what = "detection quality (min_detection_map / min_detection_recall)"
     model, data = fx["model"], fx["data"]
-    engine = DetectionEngine(COCO_IOU_THRESHOLDS if thresholds is None else list(thresholds),
+    engine = BoxMatchEngine(COCO_IOU_THRESHOLDS if thresholds is None else list(thresholds),
                              max_detections=spec.options["max_detections"])
-    runner = Runner(what, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required")
+    runner = Runner(what, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required",
+                    shard=ctx.shard(data))
     guard = runner.guard(f"{what}: model on the images", task="detection", num_classes=None)
 
     def step(batch: Any) -> None:
@@ -89,7 +90,7 @@ def _match_all(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, threshol
         engine.update(guard(model, batch.x), batch.y, batch.start)
 
     with eval_mode(model), torch.no_grad():
-        runner.run(data, step)
+        runner.run(data, step, engine)  # under torchrun: this rank's batches, then the records all-gathered
     return engine
 
 
@@ -290,6 +291,7 @@ MIN_DETECTION_MAP = GateDef(
     conditional={"scenarios": "by"},
     measure=_measure_map,
     tasks=("detection",),
+    shards=True,
     doc="fail unless every scenario group of `by` (or all images) has a COCO mAP (Lin et al. 2014) whose "
         "bootstrap lower bound over images at `confidence` reaches `threshold` (scenario-based degradation, Cheng "
         "et al. 2018, §II-E); small groups are inconclusive unless allowed",
@@ -310,6 +312,7 @@ MIN_DETECTION_RECALL = GateDef(
     conditional={"scenarios": "by"},
     measure=_measure_recall,
     tasks=("detection",),
+    shards=True,
     doc="fail unless every scenario group of `by` (or all images) finds each class's objects (IoU ≥ `iou`, score "
         "≥ `score_threshold`) with a recall whose bootstrap lower bound reaches `threshold` (Cheng et al. 2018, "
         "§II-E)",
