@@ -37,7 +37,7 @@ from .errors import DataError, MetricError
 __all__ = [
     "TASKS", "SINGLE", "MULTI", "DETECTION", "BoxSet", "DetectionData", "detection_collate", "infer_task",
     "as_boxset", "detections_from_output", "is_detection_output", "check_multilabel", "unsupported",
-    "box_iou", "matched_scores", "bad_boxes"]
+    "box_iou", "paired_iou", "matched_scores", "bad_boxes"]
 
 #: Every task a gate may declare, in the order the docs list them.
 TASKS = TASK_NAMES
@@ -224,37 +224,63 @@ def detections_from_output(out: Any, n: int, what: str) -> BoxSet:
     return as_boxset(out, n, what, scores=True, error=MetricError)
 
 
-def box_iou(a: Tensor, b: Tensor) -> Tensor:
-    """``(len(a), len(b))`` Jaccard index (IoU) of ``x1, y1, x2, y2`` boxes, in float64 (as COCO evaluates it).
-
-    Areas are ``(x2 - x1)·(y2 - y1)`` (no +1 pixel convention); two empty boxes have IoU 0.
+def paired_iou(a: Tensor, b: Tensor) -> Tensor:
+    """Jaccard index (IoU) of ``a[..., :]`` with ``b[..., :]``, boxes ``x1, y1, x2, y2`` broadcast against each
+    other over the leading dimensions, in float64 (as COCO evaluates it). The one IoU kernel of the plugin:
+    :func:`box_iou` (every pair of two lists), per-image pairings and per-cell matrices all call it, so they
+    give the same bits for the same two boxes. Areas are ``(x2 - x1)·(y2 - y1)`` (no +1 pixel convention);
+    two empty boxes have IoU 0.
     """
     a, b = a.double(), b.double()
-    area_a = (a[:, 2] - a[:, 0]).clamp_min(0) * (a[:, 3] - a[:, 1]).clamp_min(0)
-    area_b = (b[:, 2] - b[:, 0]).clamp_min(0) * (b[:, 3] - b[:, 1]).clamp_min(0)
-    lt = torch.maximum(a[:, None, :2], b[None, :, :2])
-    rb = torch.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = (rb - lt).clamp_min(0).prod(dim=2)
-    union = area_a[:, None] + area_b[None, :] - inter
+    area_a = (a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0)
+    area_b = (b[..., 2] - b[..., 0]).clamp_min(0) * (b[..., 3] - b[..., 1]).clamp_min(0)
+    lt = torch.maximum(a[..., :2], b[..., :2])
+    rb = torch.minimum(a[..., 2:], b[..., 2:])
+    inter = (rb - lt).clamp_min(0).prod(dim=-1)
+    union = area_a + area_b - inter
     return torch.where(union > 0, inter / union.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(inter))
+
+
+def box_iou(a: Tensor, b: Tensor) -> Tensor:
+    """``(len(a), len(b))`` IoU of every box of ``a`` with every box of ``b`` (:func:`paired_iou`)."""
+    return paired_iou(a[:, None, :], b[None, :, :])
+
+
+def _starts(counts: Tensor) -> Tensor:
+    """Exclusive cumulative sum: the first row of each group."""
+    return torch.cumsum(counts, 0) - counts
 
 
 def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Tensor:
     """Per ground-truth object: the highest score of a detection *of its class* in *its image* whose IoU with
     it is at least ``iou``, else 0 — the detector's "probability of the correct class" of Cheng et al. 2018,
     §II-F step 2 ("the maximum probability of the correct class over all detected boxes that have a significant
-    Jaccard similarity with the ground truth bounding box"). ``(len(targets),)`` float32, on the targets' device;
-    one ``(D, M)`` IoU matrix per call (call it per batch)."""
+    Jaccard similarity with the ground truth bounding box").
+
+    ``(len(targets),)`` float32 on the targets' device, differentiable in the detections' scores (the pairing
+    itself is a selection). Each detection is paired only with the objects of its own image (``Σ_i D_i·M_i``
+    pairs, not a ``D × M`` matrix), so a chunk of thousands of occluded or perturbed copies costs memory linear
+    in its boxes.
+    """
     if detections.scores is None:
         raise ValueError("matched_scores needs detections with scores")
-    if len(targets) == 0 or len(detections) == 0:
-        return torch.zeros(len(targets), device=targets.device)
-    dets = detections.to(targets.device)
-    overlap = box_iou(dets.boxes, targets.boxes)
-    same = (dets.image[:, None] == targets.image[None, :]) & (dets.labels[:, None] == targets.labels[None, :])
-    ok = same & (overlap >= iou)
-    score = torch.where(ok, dets.scores.float()[:, None], torch.zeros((), device=targets.device))
-    return score.amax(dim=0)
+    device = targets.device
+    m = len(targets)
+    if m == 0 or len(detections) == 0:
+        return torch.zeros(m, device=device)
+    dets = detections.to(device)
+    n = max(dets.n_images, targets.n_images)
+    t_counts = torch.bincount(targets.image, minlength=n)[:n]
+    t_starts = _starts(t_counts)
+    per_det = t_counts[dets.image]  # pair j: detection d with the objects of its image, one after the other
+    det_of = torch.repeat_interleave(torch.arange(len(dets), device=device), per_det)
+    within = torch.arange(det_of.shape[0], device=device) - _starts(per_det)[det_of]
+    obj_of = t_starts[dets.image[det_of]] + within
+    overlap = paired_iou(dets.boxes[det_of], targets.boxes[obj_of])
+    ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])
+    score = torch.where(ok, dets.scores[det_of].float(), torch.zeros((), device=device))
+    out = torch.zeros(m, device=device, dtype=score.dtype)
+    return out.scatter_reduce(0, obj_of, score, reduce="amax", include_self=True)
 
 
 # ------------------------------------------------------------------------------------- data

@@ -14,10 +14,10 @@ import torch
 
 from _blob_detector import BlobDetector, blob_data, blob_project, gates_of
 from conftest import GateProject
-from pytest_dnnsafety.engines.detector_scores import grouped_matched_scores, select_images, top_scores
+from pytest_dnnsafety.engines.detector_scores import select_images, top_scores
 from pytest_dnnsafety.engines.occlusion_detection import assess_detector_occlusion
 from pytest_dnnsafety.errors import DataError
-from pytest_dnnsafety.tasks import BoxSet, DetectionData, matched_scores
+from pytest_dnnsafety.tasks import BoxSet, DetectionData, box_iou, matched_scores
 
 GATES = {
     "precision": "min_interpretation_precision(0.9, size=3)",
@@ -75,7 +75,7 @@ def test_per_object_masks_equal_the_boxes_when_they_fill_them() -> None:
         assess_detector_occlusion(BlobDetector(), data, masks[:11], size=3)
 
 
-def test_grouped_matched_scores_equal_the_dense_ones() -> None:
+def test_matched_scores_pairing_per_image_equals_the_dense_matrix() -> None:
     gen = torch.Generator().manual_seed(0)
 
     def boxes(m: int, n: int, scores: bool) -> BoxSet:
@@ -88,7 +88,11 @@ def test_grouped_matched_scores_equal_the_dense_ones() -> None:
     for _ in range(5):
         dets, targets = boxes(60, 7, True), boxes(25, 7, False)
         for iou in (0.1, 0.5):
-            assert torch.equal(grouped_matched_scores(dets, targets, iou), matched_scores(dets, targets, iou))
+            dense = box_iou(dets.boxes, targets.boxes)  # every detection against every object, then masked
+            ok = ((dets.image[:, None] == targets.image[None, :]) & (dets.labels[:, None] == targets.labels[None, :])
+                  & (dense >= iou))
+            expected = torch.where(ok, dets.scores[:, None], torch.zeros(())).amax(dim=0)
+            assert torch.equal(matched_scores(dets, targets, iou), expected)
     dets = boxes(30, 5, True)
     best = torch.zeros(5).scatter_reduce(0, dets.image, dets.scores, "amax")
     assert torch.allclose(top_scores(dets, 1), best)

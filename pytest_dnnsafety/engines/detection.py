@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, MetricError
-from ..tasks import BoxSet
+from ..tasks import BoxSet, paired_iou
 from .base import Engine
 
 __all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
@@ -348,16 +348,9 @@ def _match(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int) -> tuple[Tensor
 
 def cell_iou(a: Tensor, b: Tensor) -> Tensor:
     """:func:`~pytest_dnnsafety.tasks.box_iou` batched over a leading dimension: ``(C, P, 4)`` × ``(C, Q, 4)`` →
-    ``(C, P, Q)``, the same float64 operations in the same order (so the same bits), without the ``(D, M)``
-    matrix of every detection against every object of the batch."""
-    a, b = a.double(), b.double()
-    area_a = (a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0)
-    area_b = (b[..., 2] - b[..., 0]).clamp_min(0) * (b[..., 3] - b[..., 1]).clamp_min(0)
-    lt = torch.maximum(a[:, :, None, :2], b[:, None, :, :2])
-    rb = torch.minimum(a[:, :, None, 2:], b[:, None, :, 2:])
-    inter = (rb - lt).clamp_min(0).prod(dim=-1)
-    union = area_a[:, :, None] + area_b[:, None, :] - inter
-    return torch.where(union > 0, inter / union.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(inter))
+    ``(C, P, Q)`` (the same kernel, :func:`~pytest_dnnsafety.tasks.paired_iou`, so the same bits), without the
+    ``(D, M)`` matrix of every detection against every object of the batch."""
+    return paired_iou(a[:, :, None, :], b[:, None, :, :])
 
 
 # ------------------------------------------------------------------------------------- accumulation

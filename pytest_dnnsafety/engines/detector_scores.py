@@ -6,10 +6,7 @@ detected boxes that have a significant Jaccard similarity with the ground truth 
 (Cheng et al. 2018, §II-F step 2): the highest score of a detection of the object's class, in its
 image, with IoU ≥ ``iou``, else 0 (:func:`~pytest_dnnsafety.tasks.matched_scores`).
 
-:func:`grouped_matched_scores` computes the same values as
-:func:`~pytest_dnnsafety.tasks.matched_scores` but pairs each detection only with the objects of its
-own image (``Σ_i D_i·M_i`` pairs instead of one ``D × M`` matrix), so a chunk of thousands of
-occluded or perturbed copies costs memory linear in its boxes. :func:`repeat_targets` lays out the
+:func:`repeat_targets` lays out the
 targets of copies of images (copy ``k`` of image ``images[k]``), :func:`top_scores` gives each
 image's mean top-``k`` detection score (a score-based runtime monitor reads ``1 −`` it),
 :func:`select_images` takes a subset of images out of a packed set and :func:`image_errors` tells,
@@ -21,57 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..tasks import BoxSet
+from ..tasks import BoxSet, matched_scores
 
-__all__ = ["grouped_matched_scores", "box_iou_pairs", "repeat_targets", "top_scores", "select_images",
+__all__ = ["repeat_targets", "top_scores", "select_images",
            "image_errors"]
 
 
 def _starts(counts: Tensor) -> Tensor:
     """Exclusive cumulative sum: the first row of each group."""
     return torch.cumsum(counts, 0) - counts
-
-
-def grouped_matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Tensor:
-    """Per ground-truth object the highest score of a same-class detection in its image with IoU ≥ ``iou``, else 0.
-
-    The values of :func:`~pytest_dnnsafety.tasks.matched_scores` (Cheng et al. 2018, §II-F step 2), with
-    detections paired only with their own image's objects. ``(len(targets),)`` float32 on the targets'
-    device; differentiable in the detections' scores (the pairing itself is not: boxes are selected).
-    """
-    if detections.scores is None:
-        raise ValueError("grouped_matched_scores needs detections with scores")
-    device = targets.device
-    m = len(targets)
-    if m == 0 or len(detections) == 0:
-        return torch.zeros(m, device=device)
-    dets = detections.to(device)
-    n = max(dets.n_images, targets.n_images)
-    t_counts = torch.bincount(targets.image, minlength=n)[:n]
-    t_starts = _starts(t_counts)
-    # pair j: detection d with the objects of its image, one after the other
-    per_det = t_counts[dets.image]
-    det_of = torch.repeat_interleave(torch.arange(len(dets), device=device), per_det)
-    within = torch.arange(det_of.shape[0], device=device) - _starts(per_det)[det_of]
-    obj_of = t_starts[dets.image[det_of]] + within
-    a, b = dets.boxes[det_of], targets.boxes[obj_of]
-    overlap = box_iou_pairs(a, b)
-    ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])
-    score = torch.where(ok, dets.scores[det_of].float(), torch.zeros((), device=device))
-    out = torch.zeros(m, device=device, dtype=score.dtype)
-    return out.scatter_reduce(0, obj_of, score, reduce="amax", include_self=True)
-
-
-def box_iou_pairs(a: Tensor, b: Tensor) -> Tensor:
-    """IoU of ``a[j]`` with ``b[j]`` (float64, as :func:`~pytest_dnnsafety.tasks.box_iou` computes it)."""
-    if a.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float64, device=a.device)
-    a, b = a.double(), b.double()
-    area_a = (a[:, 2] - a[:, 0]).clamp_min(0) * (a[:, 3] - a[:, 1]).clamp_min(0)
-    area_b = (b[:, 2] - b[:, 0]).clamp_min(0) * (b[:, 3] - b[:, 1]).clamp_min(0)
-    inter = (torch.minimum(a[:, 2:], b[:, 2:]) - torch.maximum(a[:, :2], b[:, :2])).clamp_min(0).prod(dim=1)
-    union = area_a + area_b - inter
-    return torch.where(union > 0, inter / union.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(inter))
 
 
 def repeat_targets(targets: BoxSet, images: Tensor) -> tuple[BoxSet, Tensor]:
@@ -135,10 +90,10 @@ def image_errors(detections: BoxSet, targets: BoxSet, iou: float = 0.5, score: f
     n = targets.n_images
     device = targets.device
     dets = detections.to(device)
-    missed = (grouped_matched_scores(dets, targets, iou) < score).to(torch.int64)
+    missed = (matched_scores(dets, targets, iou) < score).to(torch.int64)
     confident = dets.select(dets.scores >= score)
     as_dets = BoxSet(targets.boxes, targets.labels, targets.image, n, torch.ones(len(targets), device=device))
     found = BoxSet(confident.boxes, confident.labels, confident.image, n)
-    false = (grouped_matched_scores(as_dets, found, iou) <= 0).to(torch.int64)
+    false = (matched_scores(as_dets, found, iou) <= 0).to(torch.int64)
     counts = torch.zeros(n, dtype=torch.int64, device=device).index_add(0, targets.image, missed)
     return counts.index_add(0, confident.image, false) > 0

@@ -3,7 +3,7 @@
 Cheng et al. 2018, §II-F/G, eq. (5), read for object detection as §II-F step 2 describes it: the
 "probability of the correct class" of an object is its *matched score* — the highest score of a
 detection of its class in its image whose IoU with its ground-truth box is at least ``iou``, else 0
-(:func:`~pytest_dnnsafety.engines.detector_scores.grouped_matched_scores`). Per ground-truth object
+(:func:`~pytest_dnnsafety.tasks.matched_scores`). Per ground-truth object
 (not per image):
 
 * the heat map ``h`` holds, per occluder position, the object's matched score on the image with
@@ -45,7 +45,8 @@ from ..data import known_length
 from ..errors import DataError
 from ..outputs import eval_mode
 from ..tasks import BoxSet
-from .detector_scores import grouped_matched_scores, repeat_targets
+from ..tasks import matched_scores
+from .detector_scores import repeat_targets
 from .occlusion import (MAX_ELEMENTS, WORST_INPUTS, OcclusionEngine, OcclusionResult, _check_options, _map, _pair,
                         _rows, check_masks, occluding_positions, occlusion_positions)
 from .runner import Batch, Runner
@@ -85,7 +86,7 @@ def detector_occlusion_maps(model: Any, x: Tensor, targets: BoxSet, *, size: Any
     m = len(targets)
     heat = torch.zeros((m, npos), dtype=torch.float64, device=x.device)
     with torch.no_grad():
-        p_clean = grouped_matched_scores(clean_guard(model, x), targets, iou).to(torch.float64)
+        p_clean = matched_scores(clean_guard(model, x), targets, iou).to(torch.float64)
         if m == 0:
             return heat, p_clean
         fills = (x.mean(dim=(-2, -1), keepdim=True) if fill == "mean"
@@ -101,7 +102,7 @@ def detector_occlusion_maps(model: Any, x: Tensor, targets: BoxSet, *, size: Any
             box = (in_r[:, :, None] & in_c[:, None, :]).reshape((k.shape[0],) + (1,) * (x.ndim - 3) + (height, width))
             dets = guard(model, torch.where(box, fills[b], x[b]))
             copies, obj = repeat_targets(targets, b)
-            scores = grouped_matched_scores(dets, copies, iou).to(torch.float64)
+            scores = matched_scores(dets, copies, iou).to(torch.float64)
             heat[obj, p[copies.image]] = scores
     return heat, p_clean
 

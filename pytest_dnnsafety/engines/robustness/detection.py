@@ -3,7 +3,7 @@
 Eq. (4) averages, over inputs, the worst drop of ``NN(in)``, the probability of the correct class. For
 a detector that probability is, per ground-truth object, its *matched score* (§II-F step 2: the highest
 score of a same-class detection in its image with IoU ≥ ``iou``, else 0;
-:func:`~pytest_dnnsafety.engines.detector_scores.grouped_matched_scores`). So here an "input" of eq. (4)
+:func:`~pytest_dnnsafety.tasks.matched_scores`). So here an "input" of eq. (4)
 is a ground-truth object: per object and family ``drop = clean matched score − perturbed matched
 score`` (the image perturbed by the family, :mod:`.perturbations`), the worst family per object, and
 the loss ``−M_adv`` is the mean worst drop over objects.
@@ -33,7 +33,7 @@ from ...errors import DataError
 from ...outputs import eval_mode, model_dtype_device
 from ...tasks import BoxSet
 from ..checks import check_count
-from ..detector_scores import grouped_matched_scores
+from ...tasks import matched_scores
 from ..runner import Runner
 from .attacks import check_clip
 from .confidence import (AdversarialConfidenceEngine, AdversarialConfidenceResult, _eps_per_family, _family_seed,
@@ -80,7 +80,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
                             "detection data (an .npz with x, boxes, labels and offsets, or a DataLoader with "
                             "detection_collate).")
         with torch.no_grad():
-            p_clean = grouped_matched_scores(clean_guard(model, x), t, iou)
+            p_clean = matched_scores(clean_guard(model, x), t, iou)
         p_pert = []
         for i, (name, fam) in enumerate(zip(names, fams)):
             gen = torch.Generator().manual_seed(_family_seed(seed, i, batch.index))
@@ -91,7 +91,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
             if clip is not None:
                 xp = xp.clamp(clip[0], clip[1])
             with torch.no_grad():
-                p_pert.append(grouped_matched_scores(guards[i](model, xp), t, iou))
+                p_pert.append(matched_scores(guards[i](model, xp), t, iou))
         stacked = torch.stack(p_pert) if p_pert else torch.zeros((0, len(t)))
         first = int(starts[batch.start]) if starts is not None else objects["seen"]
         rows = first + torch.arange(len(t), device=acc)

@@ -21,14 +21,14 @@ from torch import Tensor
 from ...errors import MetricError
 from ...outputs import ForwardGuard
 from ...tasks import BoxSet
-from ..detector_scores import grouped_matched_scores
+from ...tasks import matched_scores
 from ..perturb.adversarial import _direction, _not_differentiable, _per_input, _project, _random_start
 
 __all__ = ["detector_fgsm", "detector_pgd", "matched_loss_and_grad"]
 
 
 def _image_loss(dets: BoxSet, targets: BoxSet, n: int, iou: float) -> Tensor:
-    per_object = grouped_matched_scores(dets, targets, iou)
+    per_object = matched_scores(dets, targets, iou)
     return -torch.zeros(n, dtype=per_object.dtype, device=per_object.device).index_add(0, targets.image, per_object)
 
 

@@ -108,10 +108,11 @@ def worst_of(
     with torch.no_grad():
         out = guard(model, stacked)
     if isinstance(y, BoxSet):
-        from ..detector_scores import grouped_matched_scores, repeat_targets
+        from ..detector_scores import repeat_targets
+        from ...tasks import matched_scores
 
         copies, obj = repeat_targets(y, torch.arange(n, device=y.device).repeat(k))
-        per_object = grouped_matched_scores(out, copies)
+        per_object = matched_scores(out, copies)
         total = torch.zeros(k * n, device=per_object.device).index_add(0, copies.image, per_object)
         pick = total.reshape(k, n).argmin(dim=0).to(stacked.device)
         return stacked.reshape(k, n, *stacked.shape[1:])[pick, torch.arange(n, device=pick.device)]
