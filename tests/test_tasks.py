@@ -311,3 +311,12 @@ def test_a_resampling_bound_is_labelled_an_estimate_in_every_report(tmp_path: Pa
     assert result.status == "passed" and "(bound) (estimate)" in result.summary
     assert result.metric.endswith(ESTIMATE_SUFFIX) and result.label == "min_boot (estimate)"
     assert result.details["task"] == "multi-label"
+
+
+def test_by_takes_one_condition_name_as_a_string_in_every_grouping_gate() -> None:
+    from pytest_dnnsafety.gates.performance import _by_names
+
+    for marker in ("min_scenario_accuracy", "max_scenario_degradation", "min_detection_map", "min_detection_recall"):
+        spec = parse_marker(marker, (0.5,), {"by": "lighting"}, "t.py::test", GATES)
+        assert spec.options["by"] == "lighting"
+    assert _by_names({"by": "lighting"}) == ["lighting"] and _by_names({"by": ("a", "b")}) == ["a", "b"]

@@ -59,7 +59,7 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
     if not isinstance(table, ScenarioTable):
         raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, not a "
                           "ScenarioTable. Fix: return pytest_dnnsafety.ScenarioTable(Conditions(...), rows)")
-    resolve_by(table, opts["by"])  # an unknown condition is this gate's error, before any forward pass
+    resolve_by(table, _by_names(opts))  # an unknown condition is this gate's error, before any forward pass
     check_rows_match(table, count_samples(fx["data"]), table_fixture=spec.fixtures["scenarios"],
                      data_fixture=spec.fixtures["data"])
     shard = ctx.shard(fx["data"])  # None: the whole data on every rank
@@ -92,7 +92,7 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
                               f"labels 0..{num_classes - 1}")
 
     def count() -> tuple[Any, Any]:
-        engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
+        engine = ScenarioPerformanceEngine.from_table(table, _by_names(opts), confidence=float(opts["confidence"]),
                                                       min_samples=opts["min_samples"], num_classes=num_classes,
                                                       device=out.predictions.device)
         groups = engine.group_index(table)
@@ -154,7 +154,7 @@ def _scored(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, table: Any,
         parts = ranks.gather((predicted.cpu(), labels.cpu()))
         predicted = torch.cat([p for p, _ in parts]).to(out.predictions.device)
         labels = torch.cat([y for _, y in parts]).to(out.predictions.device)
-    engine = ScenarioPerformanceEngine.from_table(table, list(opts["by"]), confidence=float(opts["confidence"]),
+    engine = ScenarioPerformanceEngine.from_table(table, _by_names(opts), confidence=float(opts["confidence"]),
                                                   min_samples=opts["min_samples"], device=predicted.device)
     groups = engine.group_index(table)
     if opts["score"] == "accuracy":  # multi-label subset accuracy: a proportion of inputs, exact bound
@@ -260,7 +260,15 @@ def _measure_degradation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
 # ------------------------------------------------------------------------------------- marker keywords
 
 
+def _by_names(opts: Mapping[str, Any]) -> list[str]:
+    """``by=`` as a list of condition names (one name may be given as a string)."""
+    by = opts["by"]
+    return [by] if isinstance(by, str) else list(by)
+
+
 def _by_list(value: Any) -> str | None:
+    if isinstance(value, str):
+        value = [value]
     if not value:
         return "is empty; name at least one condition of the scenario table"
     for name in value:
@@ -276,8 +284,8 @@ def _open_unit(value: Any) -> str | None:
 
 
 _COMMON = (
-    Param("by", (list, tuple), REQUIRED, _by_list,
-          "name the scenario table's conditions to group by, e.g. by=[\"lighting\"] or by=[\"lighting\", \"noise\"]"),
+    Param("by", (list, tuple, str), REQUIRED, _by_list,
+          "name the scenario table's conditions to group by, e.g. by=\"lighting\" or by=[\"lighting\", \"noise\"]"),
     Param("confidence", (int, float), 0.95, _open_unit,
           "give the one-sided confidence of the Clopper–Pearson bounds strictly between 0 and 1, e.g. 0.95"),
     Param("min_samples", (int,), 30, in_range(1, 10**9),
