@@ -320,3 +320,13 @@ def test_by_takes_one_condition_name_as_a_string_in_every_grouping_gate() -> Non
         spec = parse_marker(marker, (0.5,), {"by": "lighting"}, "t.py::test", GATES)
         assert spec.options["by"] == "lighting"
     assert _by_names({"by": "lighting"}) == ["lighting"] and _by_names({"by": ("a", "b")}) == ["a", "b"]
+
+
+def test_detection_data_from_a_pt_dict_of_tensors(tmp_path: Path) -> None:
+    torch.save({"x": torch.rand(3, 1, 8, 8), "boxes": torch.tensor([[0.0, 0, 4, 4], [1, 1, 3, 3]]),
+                "labels": torch.tensor([2, 0]), "offsets": torch.tensor([0, 1, 1, 2])}, tmp_path / "det.pt")
+    data = load_dataset(make_settings(tmp_path, data="det.pt"))
+    assert isinstance(data, DetectionData) and data.targets.image.tolist() == [0, 2]
+    torch.save({"x": torch.rand(3, 1, 8, 8), "boxes": torch.zeros(1, 4)}, tmp_path / "bad.pt")
+    with pytest.raises(DataError, match=r"\['labels', 'offsets'\] missing"):
+        load_dataset(make_settings(tmp_path, data="bad.pt"))
