@@ -340,7 +340,7 @@ def assess_adversarial_confidence(
     target = model_device if model_device is not None else torch.device(device)
     # the sums are float64, which MPS lacks: there they live on the CPU (one copy per batch)
     acc = torch.device("cpu") if target.type == "mps" else target
-    runner = Runner("adversarial confidence", device=target, batch_size=batch_size, shard=shard)
+    runner = Runner("adversarial confidence", device=target, batch_size=batch_size, shard=shard, task="single-label")
     clean_guard = runner.guard("adversarial confidence: model on clean inputs")
     guards = [runner.guard(f"adversarial confidence: model on {name!r} perturbations (eps={e:g})")
               for name, e in zip(names, budgets)]
@@ -352,9 +352,6 @@ def assess_adversarial_confidence(
         if y is None:
             raise DataError("adversarial confidence: the data have no labels; M_adv (eq. 4) measures the drop in "
                             "the true class's probability. Fix: give labelled data (x, y).")
-        if y.dim() != 1:
-            raise DataError(f"adversarial confidence: labels of shape {tuple(y.shape)} for inputs of shape "
-                            f"{tuple(x.shape)}; expected one class index per input.")
         with torch.no_grad():
             out = clean_guard(model, x)
         if state["outputs"] is None:

@@ -63,7 +63,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
     target = model_device if model_device is not None else torch.device(device)
     acc = torch.device("cpu") if target.type == "mps" else target
     runner = Runner("adversarial confidence (detection)", device=target, batch_size=batch_size, shard=shard,
-                    labels="required")
+                    labels="required", task="detection")
     clean_guard = runner.guard("adversarial confidence: detector on clean images", task="detection")
     guards = [runner.guard(f"adversarial confidence: detector on {name!r} perturbations (eps={e:g})",
                            task="detection") for name, e in zip(names, budgets)]
@@ -74,11 +74,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
     starts = targets.offsets() if isinstance(targets, BoxSet) else None
 
     def step(batch: Any) -> None:
-        x, t = batch.x, batch.y
-        if not isinstance(t, BoxSet):
-            raise DataError("adversarial confidence (detection): the data hold no ground-truth boxes. Fix: give "
-                            "detection data (an .npz with x, boxes, labels and offsets, or a DataLoader with "
-                            "detection_collate).")
+        x, t = batch.x, batch.y  # boxes: the runner checked the labels' form for task='detection'
         with torch.no_grad():
             p_clean = matched_scores(clean_guard(model, x), t, iou)
         p_pert = []
