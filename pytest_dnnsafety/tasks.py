@@ -260,7 +260,8 @@ def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Ten
     ``(len(targets),)`` float32 on the targets' device, differentiable in the detections' scores (the pairing
     itself is a selection). Each detection is paired only with the objects of its own image (``Σ_i D_i·M_i``
     pairs, not a ``D × M`` matrix), so a chunk of thousands of occluded or perturbed copies costs memory linear
-    in its boxes.
+    in its boxes. Laying the pairs out reads their number to the host once per call (``repeat_interleave``):
+    detections are ragged, so their pairing cannot be sized without it.
     """
     if detections.scores is None:
         raise ValueError("matched_scores needs detections with scores")
