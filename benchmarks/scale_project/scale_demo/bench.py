@@ -36,7 +36,7 @@ __all__ = ["UNITS", "SUBSETS", "ensure_data", "ensure_models", "measure", "markd
 
 #: Test modules of the project, each measured in its own forked process, cheapest first.
 UNITS = ("test_data", "test_scenarios", "test_neurons", "test_inspection", "test_monitors", "test_robustness",
-         "test_interpretation", "test_reliability", "test_vit")
+         "test_interpretation", "test_reliability", "test_vit", "test_detection")
 #: Subset sizes (environment variable: default); see tests/conftest.py.
 SUBSETS = {"SCALE_N_ATTACK": 500, "SCALE_N_OCCLUSION": 200, "SCALE_N_CERTIFIED": 4, "SCALE_N_RADIUS": 2,
            "SCALE_N_FIT": 1000, "SCALE_N_PMI": 60}
@@ -98,7 +98,7 @@ def ensure_models(width: int, epochs: int = 2) -> None:
     """Train the models whose weights are missing (``python -m scale_demo.train``)."""
     from .train import main as train
 
-    missing = [kind for kind in ("resnet", "vit", "resnet_small") if not project.weights_path(kind, width).exists()]
+    missing = [kind for kind in ("resnet", "vit", "resnet_small", "detector") if not project.weights_path(kind, width).exists()]
     if missing:
         train(["--width", str(width), "--epochs", str(epochs), "--models", *missing])
 

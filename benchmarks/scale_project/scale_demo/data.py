@@ -41,7 +41,8 @@ infeasible; 3 x 3 x 4 = 36 combinations, 33 feasible.
 
 :class:`ShardImages` is the map-style data set the project's ``DataLoader`` reads: it opens a
 shard with ``np.load(mmap_mode="r")`` on first use (per worker) and converts one image at a time,
-so a loader over 10,000 images never holds more than its batches.
+so a loader over 10,000 images never holds more than its batches. :class:`ShardBoxes` reads the same
+shards as detection data: each image's one object, its box the tight bounding box of its mask.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["CLASSES", "DOMAINS", "RESTRICTIONS", "SHARD", "SIZE", "feasible", "render", "generate", "ShardImages",
-           "loader", "conditions_toml"]
+           "ShardBoxes", "loader", "boxes_loader", "conditions_toml"]
 
 SIZE = 224
 SHARD = 500
@@ -285,6 +286,45 @@ class ShardImages(torch.utils.data.Dataset):
                 m = F.avg_pool2d(m.float().unsqueeze(1), SIZE // self.size).squeeze(1) > 0.5
             out.append(m)
         return torch.cat(out)
+
+
+class ShardBoxes(ShardImages):
+    """Detection data from the same shards: ``(image, {"boxes": (1, 4) float, "labels": (1,) int64})`` per index.
+
+    Each image holds one object; its box is the tight bounding box of its segmentation mask (``m_*.npy``)
+    in pixels, ``x1, y1, x2, y2`` with ``x2``/``y2`` one past the last object pixel (pixel edges). Read one
+    image at a time, one image shard and one mask shard mapped at a time (:meth:`ShardImages._map`).
+    ``size`` stays 224 (boxes are in the full image's pixels).
+    """
+
+    task = "detection"
+
+    def __init__(self, folder: Path | str, start: int = 0, stop: int | None = None) -> None:
+        super().__init__(folder, start, stop)
+
+    def box(self, index: int) -> torch.Tensor:
+        """The tight box ``(1, 4)`` float32 of image ``index``'s mask."""
+        shard, row = divmod(self.start + int(index), self.shard)
+        mask = self._map(f"m_{shard:05d}.npy")[row]
+        cols, rows = np.flatnonzero(mask.any(axis=0)), np.flatnonzero(mask.any(axis=1))
+        if not len(cols):
+            raise ValueError(f"ShardBoxes({self.folder}): image {self.start + int(index)} has an empty mask")
+        return torch.tensor([[cols[0], rows[0], cols[-1] + 1, rows[-1] + 1]], dtype=torch.float32)
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # type: ignore[override]
+        x, y = super().__getitem__(index)
+        return x, {"boxes": self.box(index), "labels": torch.tensor([y], dtype=torch.int64)}
+
+
+def boxes_loader(folder: Path | str, start: int = 0, stop: int | None = None, batch_size: int = 64,
+                 num_workers: int = 2) -> torch.utils.data.DataLoader:
+    """An in-order ``DataLoader`` over :class:`ShardBoxes`, collated by ``pytest_dnnsafety.detection_collate``."""
+    from pytest_dnnsafety import detection_collate
+
+    data = ShardBoxes(folder, start, stop)
+    workers = num_workers if len(data) > batch_size else 0
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, num_workers=workers, persistent_workers=False,
+                                       collate_fn=detection_collate)
 
 
 def loader(folder: Path | str, start: int = 0, stop: int | None = None, size: int = SIZE, batch_size: int = 64,

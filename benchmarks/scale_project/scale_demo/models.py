@@ -9,6 +9,13 @@
 * :func:`vit` — a ViT-style encoder (Dosovitskiy et al. 2021): patch embedding by a strided
   conv, a class token and learned position embeddings, pre-norm blocks of LayerNorm, multi-head
   self-attention with softmax, and a GELU MLP, then LayerNorm and a linear head on the class token.
+* :func:`detector` — a one-object detector on the same ResNet-18-style backbone (:class:`ResNet`'s
+  stem and stages, shared code): the class head is the ResNet's ``fc`` on the pooled features; the
+  box head is a 1x1 conv on the last stage's map (7x7 at 224x224) giving each cell a centre logit, an
+  offset within the cell and a size: the centre is the softmax-weighted mean of the cells' centres
+  plus offsets, the size the weighted mean of the cells' sizes, all normalised (cx, cy, w, h) and
+  turned into pixels. One detection per image: box, score = the class softmax's maximum, label = its
+  arg-max, in torchvision's format (a list of one dict per image). Deterministic in eval mode.
 
 Layer names follow the modules (``layer4.1.relu2``, ``blocks.3.mlp.act``): the gates' ``layer=``
 keyword takes them, for the eager model and for its ``torch.export`` program alike.
@@ -19,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BasicBlock", "ResNet", "resnet18", "Attention", "Block", "ViT", "vit"]
+__all__ = ["BasicBlock", "ResNet", "resnet18", "Attention", "Block", "ViT", "vit", "Detector", "detector"]
 
 
 class BasicBlock(nn.Module):
@@ -64,9 +71,12 @@ class ResNet(nn.Module):
         self.flatten = nn.Flatten()
         self.fc = nn.Linear(cin, classes)
 
+    def feature_map(self, x: Tensor) -> Tensor:
+        """The last stage's output ``(batch, 8 * width, H / 32, W / 32)`` (ImageNet stem)."""
+        return self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
+
     def forward(self, x: Tensor) -> Tensor:
-        x = self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
-        return self.fc(self.flatten(self.pool(x)))
+        return self.fc(self.flatten(self.pool(self.feature_map(x))))
 
 
 def resnet18(width: int = 64, classes: int = 10, stem: str = "imagenet", seed: int = 0) -> ResNet:
@@ -151,3 +161,45 @@ def vit(image: int = 224, patch: int = 16, dim: int = 192, depth: int = 4, heads
         model.cls_token.normal_(std=0.02)
         model.pos_embed.normal_(std=0.02)
     return model.eval()
+
+
+class Detector(nn.Module):
+    """One detection per image on a :class:`ResNet` backbone (see the module docstring).
+
+    :meth:`heads` gives the training signals (class logits, normalised ``(cx, cy, w, h)``);
+    :meth:`forward` the torchvision-style list of ``{"boxes": (1, 4), "scores": (1,), "labels": (1,)}``.
+    """
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.backbone = ResNet(width, classes)
+        self.box = nn.Conv2d(8 * width, 5, 1)  # per cell: centre logit, offset x, offset y, width, height
+
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Class logits ``(batch, classes)`` and boxes ``(batch, 4)`` as (cx, cy, w, h) in [0, 1]."""
+        f = self.backbone.feature_map(x)
+        logits = self.backbone.fc(self.backbone.flatten(self.backbone.pool(f)))
+        b, _, h, w = f.shape
+        cells = self.box(f).flatten(2)  # (batch, 5, h * w)
+        p = torch.softmax(cells[:, 0], dim=1)  # where the centre is
+        gy, gx = torch.meshgrid(torch.arange(h, device=x.device, dtype=f.dtype),
+                                torch.arange(w, device=x.device, dtype=f.dtype), indexing="ij")
+        cx = (gx.reshape(1, -1) + 0.5 + 0.5 * torch.tanh(cells[:, 1])) / w
+        cy = (gy.reshape(1, -1) + 0.5 + 0.5 * torch.tanh(cells[:, 2])) / h
+        size = torch.sigmoid(cells[:, 3:5])  # (batch, 2, h * w)
+        box = torch.stack([(p * cx).sum(1), (p * cy).sum(1), (p * size[:, 0]).sum(1), (p * size[:, 1]).sum(1)], 1)
+        return logits, box
+
+    def forward(self, x: Tensor) -> list[dict[str, Tensor]]:
+        logits, box = self.heads(x)
+        scale = torch.tensor([x.shape[-1], x.shape[-2]], device=x.device, dtype=box.dtype).repeat(2)
+        pixels = torch.cat([box[:, :2] - box[:, 2:] / 2, box[:, :2] + box[:, 2:] / 2], 1) * scale
+        scores, labels = torch.softmax(logits, dim=1).max(dim=1)
+        return [{"boxes": pixels[i:i + 1], "scores": scores[i:i + 1], "labels": labels[i:i + 1]}
+                for i in range(x.shape[0])]
+
+
+def detector(width: int = 8, classes: int = 10, seed: int = 0) -> Detector:
+    """A :class:`Detector` in eval mode, weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return Detector(width, classes).eval()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .models import ResNet, ViT, resnet18, vit
+from .models import Detector, ResNet, ViT, detector as _detector, resnet18, vit
 
 __all__ = ["ROOT", "data_dir", "models_dir", "width", "VIT", "SMALL", "weights_path", "build", "resnet", "vit_model",
-           "resnet_small"]
+           "resnet_small", "detector"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The ViT the project trains: small enough for a CPU (1,178 images/s at 224x224 on 2 cores, untrained).
@@ -38,14 +38,15 @@ def width() -> int:
 
 
 def weights_path(kind: str, w: int | None = None) -> Path:
-    """``resnet`` (224x224, ImageNet stem, width ``w``), ``vit`` or ``resnet_small`` (SMALL x SMALL, CIFAR stem,
-    width 8)."""
-    names = {"resnet": f"resnet18_w{width() if w is None else w}.pt", "vit": "vit_d{dim}_l{depth}.pt".format(**VIT),
-             "resnet_small": f"resnet18_cifar_w8_{SMALL}px.pt"}
+    """``resnet`` (224x224, ImageNet stem, width ``w``), ``vit``, ``resnet_small`` (SMALL x SMALL, CIFAR stem,
+    width 8) or ``detector`` (the ResNet backbone of width ``w`` with a class and a box head)."""
+    w = width() if w is None else w
+    names = {"resnet": f"resnet18_w{w}.pt", "vit": "vit_d{dim}_l{depth}.pt".format(**VIT),
+             "resnet_small": f"resnet18_cifar_w8_{SMALL}px.pt", "detector": f"detector_resnet18_w{w}.pt"}
     return models_dir() / names[kind]
 
 
-def build(kind: str, w: int | None = None) -> ResNet | ViT:
+def build(kind: str, w: int | None = None) -> ResNet | ViT | Detector:
     """The untrained module of ``kind`` (eval mode)."""
     if kind == "resnet":
         return resnet18(width=width() if w is None else w)
@@ -53,10 +54,12 @@ def build(kind: str, w: int | None = None) -> ResNet | ViT:
         return vit(**VIT)
     if kind == "resnet_small":
         return resnet18(width=8, stem="cifar")
-    raise ValueError(f"unknown model kind {kind!r}: use 'resnet', 'vit' or 'resnet_small'")
+    if kind == "detector":
+        return _detector(width=width() if w is None else w)
+    raise ValueError(f"unknown model kind {kind!r}: use 'resnet', 'vit', 'resnet_small' or 'detector'")
 
 
-def _load(kind: str) -> ResNet | ViT:
+def _load(kind: str) -> ResNet | ViT | Detector:
     path = weights_path(kind)
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `python -m scale_demo.train` first (it writes "
@@ -77,3 +80,8 @@ def vit_model() -> ViT:
 
 def resnet_small() -> ResNet:
     return _load("resnet_small")
+
+
+def detector() -> Detector:
+    """The trained one-object detector (ResNet-18-style backbone, width ``SCALE_WIDTH``)."""
+    return _load("detector")

@@ -19,6 +19,9 @@ fixture                what                                                     
 ``monitor_data``       the training split: the runtime monitors are fitted on it                ``SCALE_N_FIT`` 1000
 ``pmi_data``           labelled operational images, streamed (``max_pmi_ub`` puts a ball         ``SCALE_N_PMI`` 60
                        around each), and ``operational_profile`` (PCA-2 latent KDE) of them
+``detector``           the one-object detector (the ResNet-18-style backbone with a class and a box head)
+``detection_data``     the evaluation split as detection data (:class:`scale_demo.data.ShardBoxes`:  all (``--n``)
+                       each image's object and its mask's tight box), ``detection_collate``
 ``scenario_table``     ``dnnsafety_scenarios`` + ``dnnsafety_conditions`` (one row per image)
 =====================  =======================================================================  ================
 
@@ -36,7 +39,7 @@ from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile
 from pytest_dnnsafety.outputs import probing
 from pytest_dnnsafety.profile import PCA
 from scale_demo import project
-from scale_demo.data import ShardImages, loader
+from scale_demo.data import ShardImages, boxes_loader, loader
 
 BATCH = 64
 SIZES: dict[str, int] = {}
@@ -88,6 +91,18 @@ def model(model):
 @pytest.fixture(scope="session")
 def vit_model(model):
     return _counted(project.vit_model().to(_device(model)), "vit_model")
+
+
+@pytest.fixture(scope="session")
+def detector(model):
+    return _counted(project.detector().to(_device(model)), "detector")
+
+
+@pytest.fixture(scope="session")
+def detection_data():
+    data = boxes_loader(_split("eval"), batch_size=BATCH)
+    SIZES["detection_data"] = len(data.dataset)
+    return data
 
 
 @pytest.fixture(scope="session")
