@@ -2,8 +2,9 @@
 
 ``benchmarks/scale_project`` is a user project: structured 3x224x224 images under operating
 conditions in uint8 shards on disk, read through a ``DataLoader`` with two workers over a
-memory-mapped map-style data set, a ResNet-18-style and a ViT-style model briefly trained on them,
-and one test module per gate family. This test generates the data (``SCALE_TEST_N`` evaluation
+memory-mapped map-style data set, a ResNet-18-style and a ViT-style model and a one-object detector
+(the same ResNet backbone, boxes from the images' masks) briefly trained on them, and one test module
+per gate family. This test generates the data (``SCALE_TEST_N`` evaluation
 images, default 2,000) and trains quick weights once (both cached in the temporary folder, keyed by
 the project's source), then runs the project's benchmark runner (``python -m scale_demo.bench``):
 one driver that imported torch once forks a child per module, each running a fresh pytest session
@@ -86,3 +87,36 @@ def test_every_gate_family_reaches_a_verdict_at_scale(cached: tuple[Path, Path],
     for unit, record in result["units"].items():
         assert record["peak_rss_kib"] < PEAK_RSS_LIMIT_KIB, (unit, record["peak_rss_kib"] / 1024, "MiB")
         assert record["workers_peak_rss_kib"] < PEAK_RSS_LIMIT_KIB, (unit, record["workers_peak_rss_kib"] / 1024)
+
+
+def test_shard_boxes_and_detector_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast: the detection data's boxes are the masks' tight boxes, read through detection_collate, and the
+    detector returns torchvision's format (one detection per image), deterministic in eval mode."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(PROJECT))
+    from scale_demo.data import ShardBoxes, ShardImages, boxes_loader, generate
+    from scale_demo.models import detector
+
+    from pytest_dnnsafety.tasks import BoxSet, infer_task
+
+    generate(tmp_path, n=6, train=2)
+    data = ShardBoxes(tmp_path / "eval")
+    masks = ShardImages(tmp_path / "eval").masks()
+    for i in range(len(data)):
+        x, target = data[i]
+        ys, xs = torch.nonzero(masks[i], as_tuple=True)
+        expected = torch.tensor([[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]], dtype=torch.float32)
+        assert torch.equal(target["boxes"], expected) and target["labels"].dtype == torch.int64
+        assert torch.equal(x, ShardImages(tmp_path / "eval")[i][0])
+    loader = boxes_loader(tmp_path / "eval", batch_size=4)
+    assert infer_task(loader) == "detection"
+    (x, y), _ = list(loader)
+    assert isinstance(y, BoxSet) and y.boxes.shape == (4, 4) and y.image.tolist() == [0, 1, 2, 3]
+    model = detector(width=8)
+    with torch.no_grad():
+        out, again = model(x), model(x)
+    assert len(out) == 4 and all(set(d) == {"boxes", "scores", "labels"} for d in out)
+    assert all(d["boxes"].shape == (1, 4) and d["scores"].shape == (1,) and d["labels"].shape == (1,) for d in out)
+    assert all(torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["scores"], b["scores"]) for a, b in zip(out, again))
+    assert all(bool((d["boxes"][:, 2:] > d["boxes"][:, :2]).all()) for d in out)
