@@ -198,3 +198,16 @@ def test_bad_marker_arguments_are_collection_errors(gate_project: GateProject) -
     assert result.ret != 0
     for marker, expected in BAD_MARKERS:
         result.stdout.fnmatch_lines([f"*@pytest.mark.{marker.split('(')[0]}: {expected}Fix: *"])
+
+
+@pytest.mark.slow
+def test_xdist_gives_the_serial_numbers(gate_project: GateProject) -> None:
+    """Under ``-n 2`` each worker measures its own gates: the same statuses, values and bounds as one process."""
+    gates = {f"{kind}_{i}": (f'min_detection_{kind}(0.5, by="lighting", {SMALL})', "model")
+             for i in range(2) for kind in ("map", "recall")}
+    project = _project(gate_project, gates)
+    project.run("--dnnsafety-json=evidence.json", subprocess=True)
+    serial = {name: (g["status"], g["value"], g["bound"]) for name, g in gates_of(project).items()}
+    project.run("--dnnsafety-json=evidence.json", "-n", "2", subprocess=True)
+    parallel = {name: (g["status"], g["value"], g["bound"]) for name, g in gates_of(project).items()}
+    assert len(serial) == 4 and parallel == serial
