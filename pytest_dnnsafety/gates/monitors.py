@@ -2,7 +2,8 @@
 ``max_monitor_overhead``; the benchmark of Ferreira et al.; README "Runtime monitors").
 
 A monitor rejects inputs the model should not decide on. The gates read it from the ``monitors``
-fixture (a mapping name → monitor: the plugin's default holds ``msp``, ``odin`` and ``energy``; a
+fixture (a mapping name → monitor: the plugin's default holds ``msp``, ``odin``, ``energy`` and, for
+detectors, ``detection_score``; a
 project's ``conftest.py`` configures its own, feature-based and user monitors included) and fit it
 once per session on ``monitor_data`` (in-distribution data only; a seeded share is held out to
 calibrate the alarm threshold). Fault data are the evaluation data under the seeded fault families
@@ -514,7 +515,7 @@ def _names_spec(value: Any) -> str | None:
 
 _MONITOR = Param("monitor", (str,), REQUIRED, lambda v: None if v else "is empty",
                  "name a monitor of the `monitors` fixture, e.g. monitor='energy' (the default fixture has 'msp', "
-                 "'odin' and 'energy'; conftest.py may define more)")
+                 "'odin', 'energy' and 'detection_score'; conftest.py may define more)")
 _FAULTS_DOC = ("list fault families or groups: 'noise', 'shift', 'anomaly', 'adversarial', 'novel' (needs "
                "ood_data), or single families such as 'gaussian_noise'")
 _CLIP = Param("clip", (tuple, list, type(None)), (0.0, 1.0), is_interval,
