@@ -1,4 +1,4 @@
-"""The public API: every name in ``__all__`` and every name the READMEs show resolves, lazily where it needs torch."""
+"""The public API: every name in ``__all__`` and every name the READMEs and docs pages show resolves, lazily where it needs torch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import pytest_dnnsafety
 
 ROOT = Path(__file__).resolve().parents[1]
-READMES = [ROOT / "README.md", ROOT / "example_project" / "README.md"]
+READMES = [ROOT / "README.md", ROOT / "example_project" / "README.md", ROOT / "example_canvas" / "README.md",
+           *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: What a conftest.py or a plugin needs to write its own gate.
 GATE_API = {"GateDef", "Param", "REQUIRED", "Measurement", "GateContext", "GateSpec", "GateRegistry", "GateResult",
