@@ -96,7 +96,7 @@ _SETTING_LIST = [
     Setting(
         "conditions", "source", None,
         "TOML file with each operating condition's full value domain and the impossible combinations",
-        "set dnnsafety_conditions to a TOML file with a [conditions] table (see the README)",
+        "set dnnsafety_conditions to a TOML file with a [conditions] table (see docs/security.md)",
     ),
     Setting(
         "operational_data", "source", None,

@@ -1,4 +1,4 @@
-"""Occlusion interpretability: M_interpret and M_OccSen (Cheng et al. 2018, §II-F/G, eq. (5); README "Performance per scenario, weighted confusion, occlusion").
+"""Occlusion interpretability: M_interpret and M_OccSen (Cheng et al. 2018, §II-F/G, eq. (5); docs: gates/interpretability.md).
 
 An occluder of ``size`` pixels (``h × w``) slides over each image with ``stride``; the occluded
 pixels take ``fill`` (a number, or ``"mean"``: the image's own per-channel mean). The positions

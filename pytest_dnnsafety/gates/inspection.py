@@ -1,4 +1,4 @@
-"""Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; README "Class confusion and bias").
+"""Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; docs: gates/inspection.md).
 
 ``max_class_confusion(threshold, layer=...)`` and ``max_class_bias(threshold, layer=...)``. The engine is
 :mod:`pytest_dnnsafety.engines.inspection`; the layer's per-channel max/mean/min and the model's
@@ -372,7 +372,7 @@ MAX_CLASS_BIAS = GateDef(
     shards=True,  # per-class counts: each rank its share of the batches, then sum
     doc="fail if the largest avg_bias over class pairs in `layer` — how differently the model places two "
         "classes relative to third classes — exceeds `threshold` (in [0, 0.5]; DeepInspect, Tian et al. 2020; "
-        "README: Class confusion and bias)",
+        "docs: gates/inspection.md)",
 )
 
 

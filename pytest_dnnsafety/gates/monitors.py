@@ -1,5 +1,5 @@
 """Built-in gate family: runtime safety monitors (``min_monitor_detection``, ``max_monitor_selective_risk``,
-``max_monitor_overhead``; the benchmark of Ferreira et al.; README "Runtime monitors").
+``max_monitor_overhead``; the benchmark of Ferreira et al.; docs: gates/monitors.md).
 
 A monitor rejects inputs the model should not decide on. The gates read it from the ``monitors``
 fixture (a mapping name → monitor: the plugin's default holds ``msp``, ``odin``, ``energy`` and, for
@@ -549,7 +549,7 @@ MIN_MONITOR_DETECTION = GateDef(
     tasks=("single-label", "detection"),  # a detector: a score-based monitor (DetectionScore), faults on the images
     shards=True,  # each rank scores its share of every data set's batches; the scores are all-gathered
     doc="fail if the monitor's detection (OOD positive; MCC by default) of the worst fault family and severity "
-        "falls below `threshold` (Ferreira et al., safety-monitor benchmark; README: Runtime monitors)",
+        "falls below `threshold` (Ferreira et al., safety-monitor benchmark; docs: gates/monitors.md)",
 )
 
 MAX_MONITOR_SELECTIVE_RISK = GateDef(

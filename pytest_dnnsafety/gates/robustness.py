@@ -280,8 +280,8 @@ _CLIP = Param("clip", (list, tuple, type(None)), None, is_interval,
               "give the inputs' valid range, e.g. clip=(0, 1); perturbed inputs are clamped into it")
 _EMPIRICAL = (
     Param("eps", (int, float, type(None)), REQUIRED, _positive,
-          "give the perturbation budget as a positive number, in each family's own unit (see the README's "
-          "family table), e.g. eps=0.1; or eps=None with budgets={family: value} for every family"),
+          "give the perturbation budget as a positive number, in each family's own unit (see the family table in "
+          "docs/gates/robustness.md), e.g. eps=0.1; or eps=None with budgets={family: value} for every family"),
     Param("families", (list, tuple), ("fgsm", "pgd"), _family_list,
           f"list family names ({', '.join(FAMILY_NAMES)}) or callables (model, x, y, eps, generator) -> x'"),
     Param("budgets", (dict, type(None)), None, _budget_map,

@@ -1,4 +1,4 @@
-"""Runtime safety monitors and their benchmark (Ferreira et al.; README "Runtime monitors"): pure torch, no pytest import.
+"""Runtime safety monitors and their benchmark (Ferreira et al.; docs: gates/monitors.md): pure torch, no pytest import.
 
 * :mod:`.base` — the :class:`Monitor` protocol (fit on ID data → score, higher = more OOD → calibrated threshold
   → alarm), :func:`fit_monitor`, user monitors (:class:`CustomMonitor`, :func:`as_monitor`);

@@ -1,4 +1,4 @@
-"""Input-based runtime monitor: the reconstruction error of an autoencoder the user trained (Ferreira et al., safety-monitor benchmark; README "Runtime monitors").
+"""Input-based runtime monitor: the reconstruction error of an autoencoder the user trained (Ferreira et al., safety-monitor benchmark; docs: gates/monitors.md).
 
 An autoencoder trained on ID inputs reconstructs them well and OOD inputs badly (Sakurada & Yairi 2014; as an
 input monitor for DNNs e.g. Stocco et al., ICSE 2020, "Misbehaviour prediction for autonomous driving

@@ -2,7 +2,7 @@
 
 A *runtime monitor* watches a trained classifier in operation and raises an alarm on inputs it
 should not be trusted with (out-of-distribution inputs, faults, attacks); on an alarm the system
-rejects the model's decision (Ferreira et al.; README "Runtime monitors"). Every monitor here follows one protocol
+rejects the model's decision (Ferreira et al.; docs: gates/monitors.md). Every monitor here follows one protocol
 (:class:`Monitor`):
 
 1. ``fit`` on in-distribution (ID) training data only (the monitor never sees an OOD input);

@@ -1,4 +1,4 @@
-"""A score-based runtime monitor for object detectors (README "Runtime monitors").
+"""A score-based runtime monitor for object detectors (docs: gates/monitors.md).
 
 :class:`DetectionScore` is the detector's analogue of the maximum softmax probability (Hendrycks & Gimpel
 2017): a detector that recognises what it sees is confident about its best boxes, so per image

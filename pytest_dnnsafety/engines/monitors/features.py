@@ -1,4 +1,4 @@
-"""Feature-based runtime monitors: outside-the-box, neuron activation patterns, Mahalanobis (Ferreira et al.; README "Runtime monitors").
+"""Feature-based runtime monitors: outside-the-box, neuron activation patterns, Mahalanobis (Ferreira et al.; docs: gates/monitors.md).
 
 All three read per-neuron features of one hidden layer from the session's shared pass
 (:meth:`MonitorView.features`: an (N, c) matrix; a conv layer's channel reduced by its spatial ``max`` or

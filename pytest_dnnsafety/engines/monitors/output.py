@@ -1,4 +1,4 @@
-"""Output-based runtime monitors: maximum softmax probability, ODIN and energy (Ferreira et al.; README "Runtime monitors").
+"""Output-based runtime monitors: maximum softmax probability, ODIN and energy (Ferreira et al.; docs: gates/monitors.md).
 
 All three read only the model's class scores. MSP and energy cost no forward pass of their own: they score
 the logits the session's shared pass already holds (:meth:`MonitorView.logits`); ODIN perturbs every input

@@ -1,4 +1,4 @@
-"""What a runtime monitor may read about one data set: :class:`MonitorView` (Ferreira et al.; README "Runtime monitors").
+"""What a runtime monitor may read about one data set: :class:`MonitorView` (Ferreira et al.; docs: gates/monitors.md).
 
 The model's outputs and the per-neuron features of hidden layers come from the session's
 :class:`~pytest_dnnsafety.activations.ActivationCache`, so every monitor of a session (and every

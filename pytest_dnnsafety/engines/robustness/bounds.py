@@ -1,4 +1,4 @@
-"""Certified output bounds of a network over an input box: IBP and CROWN (README "Robustness"; Gowal et al. 2018, Zhang et al. 2018).
+"""Certified output bounds of a network over an input box: IBP and CROWN (docs: gates/robustness.md; Gowal et al. 2018, Zhang et al. 2018).
 
 A search (PGD, DeepQuant's pattern search) only finds adversarial inputs; it cannot prove there
 are none. Sound output bounds over the whole L∞ ball can: if the lower bound of

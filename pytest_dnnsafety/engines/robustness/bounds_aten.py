@@ -1,4 +1,4 @@
-"""The ATen operations of a ``torch.export`` program as the eager ops certified bounds know (README "Robustness").
+"""The ATen operations of a ``torch.export`` program as the eager ops certified bounds know (docs: gates/robustness.md).
 
 The table of :mod:`~pytest_dnnsafety.engines.robustness.bounds_export`'s translation: one handler per
 ATen operation family, called with the translator and the node's arguments by schema name; it

@@ -1,4 +1,4 @@
-"""Certified bounds of a deployed ``torch.export`` program (``.pt2``): its ATen graph, translated (README "Robustness").
+"""Certified bounds of a deployed ``torch.export`` program (``.pt2``): its ATen graph, translated (docs: gates/robustness.md).
 
 A ``.pt2`` file holds no ``nn.Module`` classes, only a graph of ATen operations over stored
 tensors (``torch.export.load(path).module()``: ``aten.conv2d``, ``aten.linear``,

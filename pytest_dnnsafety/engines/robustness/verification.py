@@ -1,4 +1,4 @@
-"""Certified L∞ robustness: how many inputs are *proved* robust at ε (README "Robustness"; Gowal et al. 2018 (IBP), Zhang et al. 2018 (CROWN)).
+"""Certified L∞ robustness: how many inputs are *proved* robust at ε (docs: gates/robustness.md; Gowal et al. 2018 (IBP), Zhang et al. 2018 (CROWN)).
 
 For every labelled input ``x`` the runner :func:`verify_robustness` gives one of three verdicts:
 
