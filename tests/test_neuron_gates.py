@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -201,6 +202,10 @@ def test_example_project_gates_pass(trained_example: Path, extra: tuple) -> None
             "max_weighted_confusion", "min_interpretation_precision", "min_monitor_detection",
             "max_monitor_selective_risk", "max_monitor_overhead"} <= markers
     assert all(g["status"] == "passed" for g in evidence["gates"])
+    if importlib.util.find_spec("jsonschema") is not None:  # the published schema (issue #23)
+        from test_evidence_schema import validate_file
+
+        assert validate_file(project / report) == []
 
 
 # ---------------------------------------------------------------------- the model is checked too (issue #7)
