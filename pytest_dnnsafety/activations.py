@@ -349,8 +349,9 @@ def capture(
                                     BoxSet.cat(labels) if len(labels) == len(sizes) else None,  # type: ignore[arg-type]
                                     guard.num_classes, None, BoxSet.cat(raw)))  # type: ignore[arg-type]
     elif outputs is not None:
-        outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs),
-                                    torch.cat(labels) if len(labels) == len(sizes) else None, guard.num_classes,
+        joined = (None if len(labels) != len(sizes) else
+                  BoxSet.cat(labels) if labels and isinstance(labels[0], BoxSet) else torch.cat(labels))
+        outputs.append(ModelOutputs(torch.cat(preds), torch.cat(confs), joined, guard.num_classes,
                                     torch.cat(raw) if len(raw) == len(sizes) else None))
     return {layer: _layer_result(layer, maxima[layer], means[layer], minima[layer], shapes.get(layer), sizes,
                                  0 if shard is None else shard.batches[0], 0 if shard is None else shard.rows[0])

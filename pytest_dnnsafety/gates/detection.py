@@ -48,7 +48,8 @@ def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float
     """The filled BoxMatchEngine and the columns of ``iou`` (None: COCO's ten) in its thresholds.
 
     Matched at COCO's ten thresholds whenever ``iou`` is one of them, once per session for a model and
-    data set (:meth:`GateContext.memo`): the mAP and recall gates on the same fixtures share one pass.
+    data set (:meth:`GateContext.memo`): the mAP and recall gates on the same fixtures share one matching, and
+    the detections come from the session's shared forward pass.
     """
     from ..engines.detection import COCO_IOU_THRESHOLDS
 
@@ -66,32 +67,35 @@ def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float
 
 
 def _match_all(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds: Any) -> Any:
-    """Run the model over the data and match every batch (one Runner pass)."""
-    import torch
-
+    """Match the detections of the session's shared forward pass (every gate reading this model and data — the
+    neuron gates, the monitors — shares that one pass), ``ctx.batch_size`` images at a time."""
+    from .. import ranks
     from ..engines.detection import COCO_IOU_THRESHOLDS, BoxMatchEngine
-    from ..engines.runner import Runner
-    from ..outputs import eval_mode
     from ..tasks import BoxSet
+    from .shared import outputs_for
 
-    what = "detection quality (min_detection_map / min_detection_recall)"
-    model, data = fx["model"], fx["data"]
-    engine = BoxMatchEngine(COCO_IOU_THRESHOLDS if thresholds is None else list(thresholds),
-                             max_detections=spec.options["max_detections"])
-    runner = Runner(what, model=model, device=ctx.device, batch_size=ctx.batch_size, labels="required",
-                    shard=ctx.shard(data))
-    guard = runner.guard(f"{what}: model on the images", task="detection", num_classes=None)
+    shard = ctx.shard(fx["data"])  # None: the whole data on every rank
 
-    def step(batch: Any) -> None:
-        if not isinstance(batch.y, BoxSet):
-            raise DataError(f"{what}: the data (fixture {spec.fixtures['data']!r}) has no boxes: its labels have "
-                            f"shape {tuple(batch.y.shape)}. Fix: give detection data, an .npz with x, boxes, labels "
-                            "and offsets (or a DataLoader with collate_fn=tasks.detection_collate)")
-        engine.update(guard(model, batch.x), batch.y, batch.start)
+    def match() -> Any:
+        out = outputs_for(spec, fx, ctx, shard=shard)
+        if out.detections is None:
+            raise MetricError(f"{spec.marker}: the model returned class scores, not detections, but the task is "
+                              "'detection'. Fix: give a detector that returns one dict of boxes, scores and labels per "
+                              "image (torchvision's format)")
+        if not isinstance(out.labels, BoxSet):
+            raise DataError(f"{spec.marker}: the data (fixture {spec.fixtures['data']!r}) has no boxes. Fix: give "
+                            "detection data, an .npz with x, boxes, labels and offsets (or a DataLoader with "
+                            "collate_fn=pytest_dnnsafety.detection_collate)")
+        engine = BoxMatchEngine(COCO_IOU_THRESHOLDS if thresholds is None else list(thresholds),
+                                max_detections=spec.options["max_detections"])
+        first = 0 if shard is None else shard.rows[0]  # the global row of this rank's first image
+        n = out.labels.n_images
+        for start in range(0, n, ctx.batch_size):
+            stop = min(start + ctx.batch_size, n)
+            engine.update(out.detections.images(start, stop), out.labels.images(start, stop), first + start)
+        return engine
 
-    with eval_mode(model), torch.no_grad():
-        runner.run(data, step, engine)  # under torchrun: this rank's batches, then the records all-gathered
-    return engine
+    return ranks.merged(match, shard)  # under torchrun: each rank's records, all-gathered
 
 
 def _groups(spec: GateSpec, fx: Mapping[str, Any], n_images: int) -> list[tuple[str, Any, bool]]:
