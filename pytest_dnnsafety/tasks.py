@@ -37,7 +37,7 @@ from .errors import DataError, MetricError
 __all__ = [
     "TASKS", "SINGLE", "MULTI", "DETECTION", "BoxSet", "DetectionData", "detection_collate", "infer_task",
     "as_boxset", "detections_from_output", "is_detection_output", "check_multilabel", "unsupported",
-    "box_iou", "paired_iou", "matched_scores", "bad_boxes"]
+    "box_iou", "paired_iou", "matched_scores", "bad_boxes", "group_starts"]
 
 #: Every task a gate may declare, in the order the docs list them.
 TASKS = TASK_NAMES
@@ -246,8 +246,8 @@ def box_iou(a: Tensor, b: Tensor) -> Tensor:
     return paired_iou(a[:, None, :], b[None, :, :])
 
 
-def _starts(counts: Tensor) -> Tensor:
-    """Exclusive cumulative sum: the first row of each group."""
+def group_starts(counts: Tensor) -> Tensor:
+    """Exclusive cumulative sum of ``counts``: the first row of each group of packed rows (on their device)."""
     return torch.cumsum(counts, 0) - counts
 
 
@@ -272,10 +272,10 @@ def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Ten
     dets = detections.to(device)
     n = max(dets.n_images, targets.n_images)
     t_counts = torch.bincount(targets.image, minlength=n)[:n]
-    t_starts = _starts(t_counts)
+    t_starts = group_starts(t_counts)
     per_det = t_counts[dets.image]  # pair j: detection d with the objects of its image, one after the other
     det_of = torch.repeat_interleave(torch.arange(len(dets), device=device), per_det)
-    within = torch.arange(det_of.shape[0], device=device) - _starts(per_det)[det_of]
+    within = torch.arange(det_of.shape[0], device=device) - group_starts(per_det)[det_of]
     obj_of = t_starts[dets.image[det_of]] + within
     overlap = paired_iou(dets.boxes[det_of], targets.boxes[obj_of])
     ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])

@@ -18,15 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..tasks import BoxSet, matched_scores
+from ..tasks import BoxSet, group_starts, matched_scores
 
 __all__ = ["repeat_targets", "top_scores", "select_images",
            "image_errors"]
-
-
-def _starts(counts: Tensor) -> Tensor:
-    """Exclusive cumulative sum: the first row of each group."""
-    return torch.cumsum(counts, 0) - counts
 
 
 def repeat_targets(targets: BoxSet, images: Tensor) -> tuple[BoxSet, Tensor]:
@@ -40,8 +35,8 @@ def repeat_targets(targets: BoxSet, images: Tensor) -> tuple[BoxSet, Tensor]:
     counts = torch.bincount(targets.image, minlength=targets.n_images)[: targets.n_images]
     per_copy = counts[images]
     copy_of = torch.repeat_interleave(torch.arange(images.shape[0], device=device), per_copy)
-    within = torch.arange(copy_of.shape[0], device=device) - _starts(per_copy)[copy_of]
-    obj = _starts(counts)[images[copy_of]] + within
+    within = torch.arange(copy_of.shape[0], device=device) - group_starts(per_copy)[copy_of]
+    obj = group_starts(counts)[images[copy_of]] + within
     return BoxSet(targets.boxes[obj], targets.labels[obj], copy_of, int(images.shape[0])), obj
 
 
@@ -59,7 +54,7 @@ def top_scores(detections: BoxSet, k: int = 1) -> Tensor:
     order = order[torch.argsort(detections.image[order], stable=True)]
     image = detections.image[order]
     counts = torch.bincount(image, minlength=n)[:n]
-    rank = torch.arange(order.shape[0], device=device) - _starts(counts)[image]
+    rank = torch.arange(order.shape[0], device=device) - group_starts(counts)[image]
     keep = rank < k
     total = torch.zeros(n, device=device).index_add(0, image[keep], scores[order][keep])
     return total / k
