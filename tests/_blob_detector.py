@@ -11,7 +11,7 @@ noisy images: a monitor can read it); ``"constant"`` 0.9 for every box (a monito
 
 :func:`blob_project` writes a pytester project around it: the module as ``blobs.py``, a
 ``conftest.py`` whose ``model`` is ``BlobDetector(**MODEL)`` and whose ``dataset`` (and
-``monitor_data``) are :class:`~pytest_dnnsafety.tasks.DetectionData`, and one test per gate.
+``monitor_data``) are :class:`~pytest_dnnsafety.data.tasks.DetectionData`, and one test per gate.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ CONFTEST = """
 import pytest
 import torch
 import blobs
-from pytest_dnnsafety.tasks import DetectionData
+from pytest_dnnsafety.data.tasks import DetectionData
 
 MODEL = {model}
 

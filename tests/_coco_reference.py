@@ -8,7 +8,7 @@ import io
 import numpy as np
 import torch
 
-from pytest_dnnsafety.tasks import BoxSet
+from pytest_dnnsafety.data.tasks import BoxSet
 
 
 def random_case(seed: int, n_images: int = 12, n_classes: int = 4, crowded: bool = False, ties: bool = False,
@@ -47,7 +47,7 @@ def random_case(seed: int, n_images: int = 12, n_classes: int = 4, crowded: bool
         dets.append({"boxes": torch.tensor(d, dtype=torch.float32).reshape(-1, 4),
                      "labels": torch.tensor(d_lab, dtype=torch.int64),
                      "scores": torch.tensor(score, dtype=torch.float32)})
-    from pytest_dnnsafety.tasks import as_boxset
+    from pytest_dnnsafety.data.tasks import as_boxset
 
     return as_boxset(dets, n_images, "dets", scores=True), as_boxset(gts, n_images, "gts")
 

@@ -90,7 +90,7 @@ def gates_of(project: GateProject) -> dict[str, dict]:
 COUNTING_CONFTEST = """
 import pytest
 import netdef
-from pytest_dnnsafety.outputs import probing
+from pytest_dnnsafety.engines.core.guard import probing
 
 CALLS = []
 

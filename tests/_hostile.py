@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pytest_dnnsafety.config import SETTINGS, Settings
+from pytest_dnnsafety.settings import SETTINGS, Settings
 
 __all__ = ["WritesMarker", "WithConstant", "make_settings", "torch_save_bytes", "rewrite_zip", "save_export"]
 

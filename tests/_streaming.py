@@ -191,8 +191,8 @@ import torch
 
 from _streaming import SHAPE, TINY, StreamDetector, StreamingBoxes, StreamingImages, stream_net
 from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile, detection_collate
-from pytest_dnnsafety.outputs import probing
-from pytest_dnnsafety.profile import PCA
+from pytest_dnnsafety.engines.core.guard import probing
+from pytest_dnnsafety.engines.reliability.profile import PCA
 from pytest_dnnsafety.scenarios import Conditions, ScenarioTable
 
 N = int(os.environ.get("STREAM_N", "256"))

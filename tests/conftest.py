@@ -1,7 +1,15 @@
-"""Shared fixtures for pytest-dnnsafety's own tests."""
+"""Shared fixtures for pytest-dnnsafety's own tests.
+
+The tests mirror the package (``tests/core``, ``tests/data``, ..., ``tests/engines``, ``tests/gates``,
+``tests/plugin``, ``tests/families/<family>``, ``tests/acceptance``). The helper modules here (``_digits``,
+``_gloo``, ...) and a few test modules whose cases other folders reuse are imported by their basename:
+every test folder is put on ``sys.path`` below, so such an import does not depend on which module
+pytest happened to collect first (basenames are unique; ``tests/core/test_import_graph.py`` checks it).
+"""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -25,7 +33,11 @@ sunny,stone,straight
 rainy,tarmac,curvy
 """
 
-JUNIT_XSD = Path(__file__).parent / "data" / "junit.xsd"
+JUNIT_XSD = Path(__file__).parent / "report" / "junit.xsd"
+
+for _folder in sorted({p.parent for p in Path(__file__).parent.rglob("*.py")} - {Path(__file__).parent}):
+    if "__pycache__" not in _folder.parts and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 class GateProject:

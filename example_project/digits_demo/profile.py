@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytest_dnnsafety.profile import PCA, OperationalProfile
+from pytest_dnnsafety.engines.reliability.profile import PCA, OperationalProfile
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 LATENT_DIMS = 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from .core import (  # noqa: F401  - _caller_source: the source of a register_gate call
+from pytest_dnnsafety.gates.core import (  # noqa: F401  - _caller_source: the source of a register_gate call
     COMMON_SETTINGS,
     GATES,
     REGRESSION_KEYWORDS,
@@ -36,8 +36,8 @@ from .core import (  # noqa: F401  - _caller_source: the source of a register_ga
     _caller_source,
     resolve_optional,
 )
-from .evaluation import context_for, evaluate
-from .reliability import _PMI_METHODS  # noqa: F401  - checked against stats.METHODS by the tests
+from pytest_dnnsafety.gates.evaluation import context_for, evaluate
+from pytest_dnnsafety.gates.reliability import _PMI_METHODS  # noqa: F401  - checked against stats.METHODS by the tests
 
 __all__ = [
     "Param", "GateDef", "GateSpec", "GateContext", "GateRegistry", "GateDefinitionError", "GATES",

@@ -1,8 +1,8 @@
 """Built-in gate family: severity-weighted confusion (``max_weighted_confusion``, Cheng et al. 2018, §II-H).
 
-The engine is :class:`~pytest_dnnsafety.engines.confusion.WeightedConfusionEngine`; the predictions
+The engine is :class:`~pytest_dnnsafety.engines.confusion.weighted.WeightedConfusionEngine`; the predictions
 come from the session's shared forward pass (:func:`.shared.outputs_for`), so a gate on a model and
-data that another gate already ran costs no forward pass. Under torchrun (:mod:`pytest_dnnsafety.ranks`)
+data that another gate already ran costs no forward pass. Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`)
 each rank forwards only its share of the data's batches and the engine's confusion counts are
 all-reduced (``sum``): the same counts, hence the same value and bound, as one process.
 
@@ -30,19 +30,19 @@ import math
 from pathlib import PurePath
 from typing import Any, Mapping
 
-from ..errors import ConfigError, DataError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
-from .shared import outputs_for
+from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
+from pytest_dnnsafety.gates.shared import outputs_for
 
 __all__ = ["MAX_WEIGHTED_CONFUSION", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_weighted_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Expected severity per input Σ W∘C / N with an upper confidence bound and the per-pair breakdown."""
-    from .. import ranks
-    from ..engines.confusion import SeverityMatrix, WeightedConfusionEngine
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.confusion.weighted import SeverityMatrix, WeightedConfusionEngine
 
     opts = spec.options
     given, origin = opts["severity"], "marker severity="

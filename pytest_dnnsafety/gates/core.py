@@ -19,9 +19,9 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from ..config import SETTINGS, TASK_NAMES, Settings, parse_setting
-from ..errors import ConfigError, DnnSafetyError, MarkerError
-from ..results import Measurement
+from pytest_dnnsafety.settings import SETTINGS, TASK_NAMES, Settings, parse_setting
+from pytest_dnnsafety.errors import ConfigError, DnnSafetyError, MarkerError
+from pytest_dnnsafety.results import Measurement
 
 __all__ = [
     "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "Param", "GateDef", "GateSpec", "GateContext",
@@ -176,17 +176,17 @@ class GateDef:
     optional: Mapping[str, str] = field(default_factory=dict)
     #: ``layers(options)`` -> the names (``model.named_modules()``) of the layers the gate reads from its
     #: ``model`` and ``data`` fixtures: the session captures every declared layer of one (model, data) pair
-    #: in one forward pass (:class:`~pytest_dnnsafety.activations.ActivationCache`). None: the gate reads
+    #: in one forward pass (:class:`~pytest_dnnsafety.engines.core.capture.ActivationCache`). None: the gate reads
     #: no layer the session can know before it runs. Called at collection with the validated options;
     #: raising or returning anything but strings is a collection error naming the gate.
     layers: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
     #: the value is a wall-clock timing of this process, which no two processes repeat: under torchrun
-    #: every rank takes rank 0's verdict (:func:`~pytest_dnnsafety.ranks.agree_on_verdict`)
+    #: every rank takes rank 0's verdict (:func:`~pytest_dnnsafety.runtime.torchrun.agree_on_verdict`)
     timed: bool = False
     #: under torchrun the gate splits its batches across the ranks and all-reduces its engine's states
     #: (:meth:`GateContext.shard`); otherwise every rank evaluates it whole
     shards: bool = False
-    #: the tasks (:data:`~pytest_dnnsafety.config.TASK_NAMES`) the gate can measure; a gate whose model or
+    #: the tasks (:data:`~pytest_dnnsafety.settings.TASK_NAMES`) the gate can measure; a gate whose model or
     #: data have another task (setting ``task``, marker keyword ``task=``, or inferred from the data) is an
     #: error naming the task and the fix, before ``measure`` runs (``ctx.task`` holds the resolved task)
     tasks: tuple[str, ...] = ("single-label",)
@@ -437,10 +437,10 @@ class GateContext:
         return value
 
     def shard(self, data: Any) -> Any:
-        """This torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of ``data`` batched by the gate's batch
+        """This torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of ``data`` batched by the gate's batch
         size, or None to evaluate it whole (not distributed, or the data cannot be cut; see
-        :func:`pytest_dnnsafety.ranks.batch_shard`)."""
-        from .. import ranks
+        :func:`pytest_dnnsafety.runtime.torchrun.batch_shard`)."""
+        from pytest_dnnsafety.runtime import torchrun as ranks
 
         return ranks.batch_shard(data, self.batch_size)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from ..config import TASK_NAMES
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range
+from pytest_dnnsafety.errors import MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.settings import TASK_NAMES
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range
 
 __all__ = ["K", "MIN_SCENE_COVERAGE", "pytest_dnnsafety_register_gates"]
 
@@ -23,7 +23,7 @@ K = Param("k", (int,), 2, in_range(1, 3), "use k = 1, 2 or 3")
 
 def _measure_scene_coverage(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Scenario k-projection coverage (Cheng et al. 2018, §II-A, eq. 1), via ScenarioTable.coverage."""
-    from ..scenarios import ScenarioTable
+    from pytest_dnnsafety.scenarios import ScenarioTable
 
     table = fx["scenarios"]
     if not isinstance(table, ScenarioTable):
@@ -33,7 +33,7 @@ def _measure_scene_coverage(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
         )
     data = fx.get("data")  # present when the data is configured, overridden or named by keyword
     if data is not None:
-        from ..scenarios import check_rows_match, count_samples
+        from pytest_dnnsafety.scenarios import check_rows_match, count_samples
 
         check_rows_match(table, count_samples(data), table_fixture=spec.fixtures["scenarios"],
                          data_fixture=spec.fixtures["data"])

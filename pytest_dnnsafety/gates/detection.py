@@ -2,7 +2,7 @@
 
 The metric is COCO's bounding-box mean average precision (Lin et al. 2014, "Microsoft COCO: Common
 Objects in Context"; computed as pycocotools' ``COCOeval`` does, see
-:mod:`pytest_dnnsafety.engines.detection`) and per-class recall at a score threshold, per scenario
+:mod:`pytest_dnnsafety.engines.detection.matching`) and per-class recall at a score threshold, per scenario
 group: with ``by=`` the images are grouped by the values of those conditions of the scenario table
 (every combination of their declared domains is a group; the worst group is gated), which is the
 scenario-based performance degradation of Cheng et al. 2018, §II-E, for a detector.
@@ -14,7 +14,7 @@ estimate of the sampling uncertainty, not a guaranteed-coverage bound. Groups wi
 ``min_images`` images, or without images, make the gate inconclusive unless
 ``allow_small_groups=True`` leaves them out; a group whose images hold no ground-truth object has
 no mAP or recall and always makes it inconclusive; nothing assessable at all is an error. The
-model is run batch by batch (:class:`~pytest_dnnsafety.engines.runner.Runner`); each batch is
+model is run batch by batch (:class:`~pytest_dnnsafety.engines.core.runner.Runner`); each batch is
 matched at once and only per-detection records are kept. No torch import at module level.
 """
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import DataError, MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from pytest_dnnsafety.errors import DataError, MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
 
 __all__ = ["MIN_DETECTION_MAP", "MIN_DETECTION_RECALL", "pytest_dnnsafety_register_gates"]
 
@@ -51,7 +51,7 @@ def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float
     data set (:meth:`GateContext.memo`): the mAP and recall gates on the same fixtures share one matching, and
     the detections come from the session's shared forward pass.
     """
-    from ..engines.detection import COCO_IOU_THRESHOLDS
+    from pytest_dnnsafety.engines.detection.matching import COCO_IOU_THRESHOLDS
 
     coco = COCO_IOU_THRESHOLDS.tolist()
     if iou is None:
@@ -69,10 +69,10 @@ def _records(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, iou: float
 def _match_all(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, thresholds: Any) -> Any:
     """Match the detections of the session's shared forward pass (every gate reading this model and data — the
     neuron gates, the monitors — shares that one pass), ``ctx.batch_size`` images at a time."""
-    from .. import ranks
-    from ..engines.detection import COCO_IOU_THRESHOLDS, BoxMatchEngine
-    from ..tasks import BoxSet
-    from .shared import outputs_for
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.detection.matching import COCO_IOU_THRESHOLDS, BoxMatchEngine
+    from pytest_dnnsafety.data.tasks import BoxSet
+    from pytest_dnnsafety.gates.shared import outputs_for
 
     shard = ctx.shard(fx["data"])  # None: the whole data on every rank
 
@@ -105,8 +105,8 @@ def _groups(spec: GateSpec, fx: Mapping[str, Any], n_images: int) -> list[tuple[
     by = _by(spec.options)
     if not by:
         return [("all", torch.ones(n_images, dtype=torch.bool), True)]
-    from ..engines.performance import ScenarioPerformanceEngine, resolve_by
-    from ..scenarios import ScenarioTable, check_rows_match
+    from pytest_dnnsafety.engines.performance.scenario import ScenarioPerformanceEngine, resolve_by
+    from pytest_dnnsafety.scenarios import ScenarioTable, check_rows_match
 
     table = fx["scenarios"]
     if not isinstance(table, ScenarioTable):

@@ -16,15 +16,15 @@ import traceback
 import warnings
 from typing import Any, Callable, Mapping
 
-from .. import progress
-from ..config import Settings
-from ..errors import DnnSafetyError, MetricError
-from ..results import ESTIMATE_SUFFIX, GateResult, format_numbers
-from .core import COMMON_SETTINGS, GateContext, GateSpec
+from pytest_dnnsafety.runtime import progress
+from pytest_dnnsafety.settings import Settings
+from pytest_dnnsafety.errors import DnnSafetyError, MetricError
+from pytest_dnnsafety.results import ESTIMATE_SUFFIX, GateResult, format_numbers
+from pytest_dnnsafety.gates.core import COMMON_SETTINGS, GateContext, GateSpec
 
 __all__ = ["ImportClock", "context_for", "evaluate", "progress_writer"]
 
-#: A progress writer: called with one line of text (see pytest_dnnsafety.progress).
+#: A progress writer: called with one line of text (see pytest_dnnsafety.runtime.progress).
 Writer = Callable[[str], None]
 
 
@@ -86,7 +86,7 @@ class ImportClock:
 
 def context_for(spec: GateSpec, settings: Settings) -> GateContext:
     """Settings for one gate, marker keywords first; the device is resolved (``auto`` → cuda/cpu)."""
-    from ..loading import resolve_device
+    from pytest_dnnsafety.runtime.devices import resolve_device
 
     resolved = {k: settings.get(k, spec.settings[k], marker=spec.marker) if k in spec.settings else settings.get(k)
                 for k in COMMON_SETTINGS}
@@ -98,7 +98,7 @@ def context_for(spec: GateSpec, settings: Settings) -> GateContext:
 def resolve_task(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> str:
     """The model's task for this gate: the marker keyword or setting, else inferred from its data; refused when the
     gate does not support it (a :class:`~pytest_dnnsafety.errors.DataError` naming the task and the fix)."""
-    from ..tasks import SINGLE, infer_task, unsupported
+    from pytest_dnnsafety.data.tasks import SINGLE, infer_task, unsupported
 
     setting = ctx.task_setting
     gate = spec.definition
@@ -200,7 +200,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         result.passed = bool(ok)
         result.status = "passed" if ok else "failed"
         result.summary = f"{spec.marker}: {comparison}{detail}"
-    from ..report.verdict import judge  # the baseline verdict is the report package's
+    from pytest_dnnsafety.report.verdict import judge  # the baseline verdict is the report package's
 
     judge(result, spec.regression_limit, settings, cache)
     _timed(result, start, clock)

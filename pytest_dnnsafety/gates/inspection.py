@@ -1,11 +1,11 @@
 """Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; docs: gates/inspection.md).
 
 ``max_class_confusion(threshold, layer=...)`` and ``max_class_bias(threshold, layer=...)``. The engine is
-:mod:`pytest_dnnsafety.engines.inspection`; the layer's per-channel max/mean/min and the model's
+:mod:`pytest_dnnsafety.engines.inspection.deepinspect`; the layer's per-channel max/mean/min and the model's
 predictions (and the data's labels) come from the session's shared forward pass
 (:func:`.shared.activations_for`, :func:`.shared.outputs_for`): a gate on a model, data and layer that
 another gate already ran costs no forward pass, and the activation threshold is applied afterwards, so
-gates with different thresholds share the pass too. Under torchrun (:mod:`pytest_dnnsafety.ranks`) each
+gates with different thresholds share the pass too. Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`) each
 rank forwards only its share of the data's batches and the engine's counts (active units and
 predictions per class, the labelled confusion) are all-reduced (``sum``): the analysis then runs on the
 same counts as one process's, so the values are identical.
@@ -40,7 +40,7 @@ of P(both predicted | a present, b absent) and the reverse — over the pairs wi
 gated, and with no supported pair the gate is inconclusive. The details carry the pair matrix
 (``type1_matrix``/``type2_matrix``, null where undefined, K ≤ 64) with ``classes``, its support, and
 for multi-label data the label coincidence matrix and its Spearman correlation with NAPVD (reported,
-not gated). :mod:`pytest_dnnsafety.engines.multilabel` has the definitions.
+not gated). :mod:`pytest_dnnsafety.engines.inspection.multilabel` has the definitions.
 
 **A class never predicted** on the data has no activation profile: by default (``unpredicted="error"``)
 the gate is an error naming the class, because such a class is a defect the pairwise metrics would
@@ -58,19 +58,19 @@ import difflib
 import math
 from typing import Any, Mapping
 
-from ..errors import ConfigError, MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
-from .shared import activations_for, outputs_for
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
+from pytest_dnnsafety.gates.shared import activations_for, outputs_for
 
 __all__ = ["MAX_CLASS_CONFUSION", "MAX_CLASS_BIAS", "pytest_dnnsafety_register_gates"]
 
 
 def _check_layer(model: Any, layer: str, marker: str) -> None:
     """ConfigError naming the layer and the closest names when ``model`` has no such submodule."""
-    from ..activations import layer_names  # a torch.export program's: its graph's modules
-    from ..export_taps import is_exported_module
+    from pytest_dnnsafety.engines.core.capture import layer_names  # a torch.export program's: its graph's modules
+    from pytest_dnnsafety.files.pt2_taps import is_exported_module
 
     if not callable(getattr(model, "named_modules", None)):
         return  # the cache names the problem (not a torch.nn.Module)
@@ -89,7 +89,7 @@ def _check_layer(model: Any, layer: str, marker: str) -> None:
 def output_kind(spec: GateSpec, logits: Any, shard: Any) -> str:
     """``outputs=`` resolved to 'logits' or 'probabilities' the same on every rank ('auto': probabilities when every
     output of every rank lies in [0, 1])."""
-    from .. import ranks
+    from pytest_dnnsafety.runtime import torchrun as ranks
 
     kind = spec.options.get("outputs") or "auto"
     if kind != "auto":
@@ -115,9 +115,11 @@ def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: b
     without labels), from the shared forward pass (sharded under torchrun)."""
     import torch
 
-    from .. import ranks
-    from ..engines.inspection import InspectionEngine, layer_activity
-    from ..engines.multilabel import MultiLabelInspectionEngine, check_label_matrix, predicted_sets, type1_pairs
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.inspection.deepinspect import InspectionEngine
+    from pytest_dnnsafety.engines.inspection.kernels import layer_activity
+    from pytest_dnnsafety.engines.inspection.multilabel import MultiLabelInspectionEngine, type1_pairs
+    from pytest_dnnsafety.engines.core.multilabel import check_label_matrix, predicted_sets
 
     opts = spec.options
     multi = ctx.task == "multi-label"
@@ -185,8 +187,8 @@ def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: b
 
 def _truth_details(res: Any, truth: Any, spec: GateSpec, multi: bool) -> dict[str, Any]:
     """The ground truth for the details: the pair matrix (K ≤ 64), its worst supported pair, coincidence."""
-    from ..engines.inspection import _json_matrix
-    from ..engines.multilabel import spearman, worst_pair
+    from pytest_dnnsafety.engines.inspection.deepinspect import _json_matrix
+    from pytest_dnnsafety.engines.inspection.multilabel import spearman, worst_pair
 
     min_support = spec.options["min_support"]
     value, pair, n_ok, n_bad = worst_pair(truth, min_support)
@@ -204,7 +206,7 @@ def _truth_details(res: Any, truth: Any, spec: GateSpec, multi: bool) -> dict[st
 
 
 def _base_details(spec: GateSpec, res: Any, by: str, model: Any) -> dict[str, Any]:
-    from ..activations import activations_from
+    from pytest_dnnsafety.engines.core.capture import activations_from
 
     opts = spec.options
     return {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(model),
@@ -235,7 +237,7 @@ def _measure_class_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
 
 def _ground_truth_measurement(spec: GateSpec, res: Any, truth: Any, details: dict[str, Any]) -> Measurement:
     """The largest type-1/type-2 confusion over the pairs with ``min_support`` inputs in each conditioning set."""
-    from ..engines.multilabel import worst_pair
+    from pytest_dnnsafety.engines.inspection.multilabel import worst_pair
 
     stat, layer, min_support = spec.options["statistic"], spec.options["layer"], spec.options["min_support"]
     if truth is None:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
 
 __all__ = [
     "MIN_INTERPRETATION_PRECISION", "MIN_OCCLUSION_SENSITIVITY", "MAX_OCCLUSION_SENSITIVITY",
@@ -52,7 +52,7 @@ def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     Under torchrun each rank runs its shard of the data's batches (``ctx.shard``) and the
     engine's states are all-reduced, so every rank gets the single-process result.
     """
-    from ..engines.occlusion import assess_occlusion
+    from pytest_dnnsafety.engines.interpretability.occlusion import assess_occlusion
 
     o = spec.options
     if ctx.task == "detection":
@@ -70,11 +70,11 @@ def _occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
 
 def _detector_occlusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     """A detector's occlusion measurement per ground-truth object (shared between the gates)."""
-    from ..engines.occlusion_detection import assess_detector_occlusion
+    from pytest_dnnsafety.engines.interpretability.detector import assess_detector_occlusion
 
     o = spec.options
     if o["outputs"] != "auto":
-        from ..errors import ConfigError
+        from pytest_dnnsafety.errors import ConfigError
 
         raise ConfigError(f"{spec.marker}: outputs={o['outputs']!r} is for classifiers; a detector's heat map is its "
                           "matched detection score (task='detection'). Fix: drop outputs= for a detector.")

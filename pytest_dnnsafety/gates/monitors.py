@@ -35,10 +35,10 @@ import copy
 import math
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError, DataError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
 
 __all__ = [
     "MIN_MONITOR_DETECTION", "MAX_MONITOR_SELECTIVE_RISK", "MAX_MONITOR_OVERHEAD", "FAULT_GROUP_NAMES",
@@ -69,7 +69,7 @@ _NO_RIGHT_ANSWER = ("novel", "black_frame", "zeroed_rows", "copied_rows", "shift
 
 
 def _activations(ctx: GateContext) -> Any:
-    from ..activations import ActivationCache
+    from pytest_dnnsafety.engines.core.capture import ActivationCache
 
     return ctx.cache.setdefault("activations", ActivationCache())
 
@@ -80,7 +80,7 @@ def _clip(value: Any) -> tuple[float, float] | None:
 
 def _first_batch(data: Any, batch_size: int) -> tuple[Any, Any] | None:
     """The first ``(x, y)`` batch of ``data`` (one batch read, not the data set), or None for empty data."""
-    from ..data import iter_batches
+    from pytest_dnnsafety.data.forms import iter_batches
 
     for x, y in iter_batches(data, batch_size):
         return x, y
@@ -98,12 +98,12 @@ def _stream(ctx: GateContext, data: Any, family: str, severity: int, *, model: A
     """
     import torch
 
-    from ..engines.monitors.faults import FAULT_GROUPS
-    from ..engines.monitors.stream import fault_stream
+    from pytest_dnnsafety.engines.monitors.faults import FAULT_GROUPS
+    from pytest_dnnsafety.engines.monitors.stream import fault_stream
 
     adversarial = family in FAULT_GROUPS["adversarial"]
     if ctx.task == "detection":
-        from .monitors_detection import detector_fault_source
+        from pytest_dnnsafety.engines.monitors.detector import detector_fault_source
 
         data_key, data = data, detector_fault_source(data, family)
     else:
@@ -137,7 +137,7 @@ def fault_set(cache: dict[str, Any], data: Any, family: str, severity: int, *, s
     def make() -> Any:
         return _stream(ctx, data, family, severity, model=model, clip=clip, role=role).materialise()
 
-    from ..engines.monitors.faults import FAULT_GROUPS
+    from pytest_dnnsafety.engines.monitors.faults import FAULT_GROUPS
 
     adversarial = family in FAULT_GROUPS["adversarial"]
     return ctx.memo("monitor fault set (tensors)", (data, model if adversarial else None),
@@ -150,7 +150,7 @@ def _outputs(ctx: GateContext, model: Any, data: Any, plan: Sequence[str], role:
     The pass is the shared one (its plan's layers captured with it); under torchrun every rank checks its
     shard and the ranks agree (a bad label on one rank's shard fails the gate on every rank).
     """
-    from .. import ranks
+    from pytest_dnnsafety.runtime import torchrun as ranks
 
     shard = ctx.shard(data)
 
@@ -164,7 +164,7 @@ def _outputs(ctx: GateContext, model: Any, data: Any, plan: Sequence[str], role:
 
 
 def _monitor(spec: GateSpec, fx: Mapping[str, Any], name: str) -> Any:
-    from ..engines.monitors import as_monitor
+    from pytest_dnnsafety.engines.monitors import as_monitor
 
     bank = fx["monitors"]
     role = spec.fixtures["monitors"]
@@ -184,7 +184,7 @@ def _monitor(spec: GateSpec, fx: Mapping[str, Any], name: str) -> Any:
 
 def _bank_layers(bank: Any) -> tuple[str, ...]:
     """Every layer the monitors of the fixture read: one pass per data set captures them all."""
-    from ..engines.monitors import Monitor
+    from pytest_dnnsafety.engines.monitors import Monitor
 
     layers: dict[str, None] = {}
     for monitor in bank.values() if isinstance(bank, Mapping) else ():
@@ -195,7 +195,7 @@ def _bank_layers(bank: Any) -> tuple[str, ...]:
 
 def _fitted(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str) -> tuple[Any, tuple[Any, ...]]:
     """The monitor ``name`` fitted on the fit data, once per session: (fitted copy, the objects it was fitted from)."""
-    from ..engines.monitors import fit_monitor
+    from pytest_dnnsafety.engines.monitors import fit_monitor
 
     monitor = _monitor(spec, fx, name)
     _check_like(spec, ctx, "fit_data", fx["fit_data"], fx["data"], "data")
@@ -226,7 +226,7 @@ def _scores(ctx: GateContext, monitor: Any, key: tuple[Any, ...], model: Any, da
             ) -> Any:
     """The fitted monitor's scores on ``data``: one forward pass shared through the activation cache, and under
     torchrun on this rank's batches only (every rank then holds all the scores, see ``Monitor.score``)."""
-    from ..engines.monitors import MonitorView
+    from pytest_dnnsafety.engines.monitors import MonitorView
 
     def score() -> Any:
         view = MonitorView(model, data, batch_size=ctx.batch_size, device=ctx.device, cache=_activations(ctx),
@@ -261,7 +261,7 @@ def _check_like(spec: GateSpec, ctx: GateContext, role: str, data: Any, referenc
 
 def _sets(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> list[tuple[str, int | None, Any]]:
     """The fault sets of the marker: (family, severity or None, data) in a stable order."""
-    from ..engines.monitors.faults import NOVEL, check_severity, expand_faults
+    from pytest_dnnsafety.engines.monitors.faults import NOVEL, check_severity, expand_faults
 
     opts = spec.options
     families = expand_faults(opts["faults"])
@@ -290,8 +290,8 @@ def _set_name(family: str, severity: int | None) -> str:
 
 def _monitor_details(name: str, monitor: Any, spec: GateSpec, model: Any) -> dict[str, Any]:
     """What the gate evaluated: the monitor's configuration, its fitted state's fingerprint and threshold."""
-    from ..activations import activations_from
-    from ..provenance import monitor_state_digest
+    from pytest_dnnsafety.engines.core.capture import activations_from
+    from pytest_dnnsafety.files.provenance import monitor_state_digest
 
     return {"monitor": name, "monitor_config": monitor.config(), "monitor_threshold": monitor.threshold,
             "monitor_state": monitor_state_digest(monitor), "fit_data": spec.fixtures["fit_data"],
@@ -310,7 +310,7 @@ def _metric_of(metrics: Any, metric: str) -> float:
 
 def _detection_table(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, name: str,
                      sets: Sequence[tuple[str, int | None, Any]]) -> tuple[Any, list[dict[str, Any]], list[float]]:
-    from ..engines.monitors import detection_metrics
+    from pytest_dnnsafety.engines.monitors import detection_metrics
 
     monitor, key = _fitted(spec, fx, ctx, name)
     id_scores = _scores(ctx, monitor, key, fx["model"], fx["data"], _bank_layers(fx["monitors"]))
@@ -325,7 +325,7 @@ def _detection_table(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, na
 
 def _ranking(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, sets: Sequence[tuple[str, int | None, Any]],
              name: str, values: list[float]) -> dict[str, Any]:
-    from ..stats import cd_cliques, friedman, nemenyi_cd
+    from pytest_dnnsafety.stats.ranking import cd_cliques, friedman, nemenyi_cd
 
     names = [name] + [n for n in dict.fromkeys(spec.options["compare"]) if n != name]
     if len(names) < 2:
@@ -347,7 +347,7 @@ def _ranking(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, sets: Sequ
 
 def _measure_detection(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Detection (OOD positive) of each fault set against the in-distribution data; the worst set or the mean."""
-    from ..engines.monitors.faults import fault_parameters
+    from pytest_dnnsafety.engines.monitors.faults import fault_parameters
 
     opts = spec.options
     name, metric = opts["monitor"], opts["metric"]
@@ -391,15 +391,15 @@ def _errors(ctx: GateContext, model: Any, data: Any, family: str | None, role: s
     From the shared pass (under torchrun this rank's shard, then all-gathered: every rank holds every input's)."""
     import torch
 
-    from .. import ranks
-    from ..engines.states import all_gather_rows
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.core.states import all_gather_rows
 
     shard = ctx.shard(data)
 
     def local() -> Any:
         out = _activations(ctx).outputs(model, data, batch_size=ctx.batch_size, device=ctx.device, shard=shard)
         if ctx.task == "detection":  # a missed object or a false detection (source: the boxes of faulted images)
-            from .monitors_detection import detector_wrong
+            from pytest_dnnsafety.engines.monitors.detector import detector_wrong
             return detector_wrong(out, family, source, shard, _NO_RIGHT_ANSWER)
         if family in _NO_RIGHT_ANSWER:
             return torch.ones(out.n_inputs, dtype=torch.bool, device=out.predictions.device)
@@ -417,8 +417,8 @@ def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
     """Error rate among accepted inputs (model + monitor), its upper confidence bound, and the model alone."""
     import torch
 
-    from ..engines.monitors import system_view
-    from ..stats import clopper_pearson_upper
+    from pytest_dnnsafety.engines.monitors import system_view
+    from pytest_dnnsafety.stats.intervals import clopper_pearson_upper
 
     opts = spec.options
     name = opts["monitor"]
@@ -457,8 +457,8 @@ def _measure_selective_risk(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCont
 
 def _measure_overhead(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """The monitor's time per input relative to the model's forward pass, and its memory."""
-    from .. import ranks
-    from ..engines.monitors import MonitorView, measure_overhead
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.monitors import MonitorView, measure_overhead
 
     name = spec.options["monitor"]
     if ranks.active() and not ranks.is_main():

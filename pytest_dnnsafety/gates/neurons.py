@@ -3,7 +3,7 @@
 Engines in :mod:`..engines.neurons` and :mod:`..engines.patterns`; layer activations come from the
 session's shared forward pass (:func:`.shared.activations_for`: one pass per model and data).
 
-Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
+Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`) each rank forwards only its share of the data's
 batches and the engine states are all-reduced (coverage flags: ``or``; the pattern histogram:
 ``sum``), which gives exactly the single-process value: eq. (2)'s occupied cells are the union of
 the cells each shard occupies, eq. (3)'s group sizes the sum of the shards' counts.
@@ -13,22 +13,22 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..errors import MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from ..config import TASK_NAMES
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
-from .coverage import K
-from .shared import activations_for
+from pytest_dnnsafety.errors import MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.settings import TASK_NAMES
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
+from pytest_dnnsafety.gates.coverage import K
+from pytest_dnnsafety.gates.shared import activations_for
 
 __all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
-    from .. import ranks
-    from ..activations import activations_from
-    from ..engines.neurons import NeuronKActivationEngine
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.core.capture import activations_from
+    from pytest_dnnsafety.engines.neurons.kactivation import NeuronKActivationEngine
 
     opts = spec.options
     shard = ctx.shard(fx["data"])
@@ -48,10 +48,10 @@ def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: Gat
 
 def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
-    from .. import ranks
-    from ..activations import activations_from
-    from ..engines.neurons import NeuronPatternEngine
-    from ..scenarios import ScenarioTable
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.core.capture import activations_from
+    from pytest_dnnsafety.engines.neurons.patterns import NeuronPatternEngine
+    from pytest_dnnsafety.scenarios import ScenarioTable
 
     opts = spec.options
     shard = ctx.shard(fx["data"])
@@ -64,7 +64,7 @@ def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateC
             if not isinstance(table, ScenarioTable):
                 raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
                                   "not a ScenarioTable; `where` needs the scenario table")
-            from ..scenarios import check_rows_match
+            from pytest_dnnsafety.scenarios import check_rows_match
 
             check_rows_match(table, int(acts.shape[0]) if shard is None else shard.n_rows,
                              table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])

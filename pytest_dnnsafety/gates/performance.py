@@ -2,7 +2,7 @@
 
 Cheng et al. 2018, §II-E. The evaluation rows are grouped by the values of the ``by`` conditions of
 the scenario table (every value combination of their declared domains is a group, also one without
-rows); the engine is :class:`~pytest_dnnsafety.engines.performance.ScenarioPerformanceEngine`. The
+rows); the engine is :class:`~pytest_dnnsafety.engines.performance.scenario.ScenarioPerformanceEngine`. The
 predictions come from the session's shared forward pass
 (:func:`.shared.outputs_for`): one pass per model and data for all
 gates, neuron gates included.
@@ -22,11 +22,11 @@ output itself, reaches ``decision_threshold``; ``outputs=`` says which) — with
 Clopper–Pearson bounds. ``score="precision" | "recall" | "f1"`` with ``average="micro" | "macro"``
 (either kind of model; single-label decisions count as one-hot) gate a group's point value on
 ``statistic="point"`` and a seeded bootstrap *estimate* of its bound (the details say
-``bound_kind: "estimate"``; :mod:`pytest_dnnsafety.engines.multilabel`); ``per_class=True`` adds each
+``bound_kind: "estimate"``; :mod:`pytest_dnnsafety.engines.inspection.multilabel`); ``per_class=True`` adds each
 group's per-class values. ``decision_threshold``/``outputs`` on a single-label model are an error.
 A user ``metric=`` of a multi-label model receives the ``(N, K)`` 0/1 predicted sets and labels.
 
-Under torchrun (:mod:`pytest_dnnsafety.ranks`) each rank forwards only its share of the data's
+Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`) each rank forwards only its share of the data's
 batches, counts its rows' groups (the scenario table rows sliced alike) and the engine's counts are
 all-reduced (``sum``): the same counts, hence the same accuracies and Clopper–Pearson bounds, as one
 process. A user ``metric=`` is not decomposable (a macro F1 is not a sum over shards): it is called
@@ -38,21 +38,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Mapping
 
-from ..errors import ConfigError, MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
-from .inspection import _MULTI  # decision_threshold=, outputs= (multi-label only)
-from .shared import outputs_for
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, one_of
+from pytest_dnnsafety.gates.inspection import _MULTI  # decision_threshold=, outputs= (multi-label only)
+from pytest_dnnsafety.gates.shared import outputs_for
 
 __all__ = ["MIN_SCENARIO_ACCURACY", "MAX_SCENARIO_DEGRADATION", "pytest_dnnsafety_register_gates"]
 
 
 def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     """The gate's :class:`ScenarioPerformanceResult` (predictions from the session's shared pass)."""
-    from .. import ranks
-    from ..engines.performance import ScenarioPerformanceEngine, resolve_by
-    from ..scenarios import ScenarioTable, check_rows_match, count_samples
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.performance.scenario import ScenarioPerformanceEngine, resolve_by
+    from pytest_dnnsafety.scenarios import ScenarioTable, check_rows_match, count_samples
 
     opts = spec.options
     table = fx["scenarios"]
@@ -118,13 +118,13 @@ def _performance(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
 def _decisions(spec: GateSpec, out: Any, multi: bool, shard: Any) -> tuple[Any, Any]:
     """(predictions, labels): class indices for a single-label model, the multi-hot predicted set and the 0/1
     label matrix for a multi-label one; options that only a multi-label model reads are refused otherwise."""
-    from .inspection import output_kind, refuse_multilabel_options
+    from pytest_dnnsafety.gates.inspection import output_kind, refuse_multilabel_options
 
     opts = spec.options
     refuse_multilabel_options(spec, multi)
     if not multi:
         return out.predictions, out.labels
-    from ..engines.multilabel import check_label_matrix, predicted_sets
+    from pytest_dnnsafety.engines.core.multilabel import check_label_matrix, predicted_sets
 
     k = check_label_matrix(out, spec.marker, spec.fixtures["data"])
     threshold = 0.5 if opts["decision_threshold"] is None else opts["decision_threshold"]
@@ -145,9 +145,9 @@ def _scored(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, table: Any,
     (bootstrap estimates; every rank's rows gathered first, the bootstrap resamples inputs)."""
     import torch
 
-    from .. import ranks
-    from ..engines.multilabel import score_counts
-    from ..engines.performance import ScenarioPerformanceEngine
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.performance.multilabel import score_counts
+    from pytest_dnnsafety.engines.performance.scenario import ScenarioPerformanceEngine
 
     opts = spec.options
     if shard is not None:  # not decomposable: every rank's rows in one tensor (as a user metric)

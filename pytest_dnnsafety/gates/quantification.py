@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..errors import ConfigError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
 
 __all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gates"]
 
@@ -43,8 +43,8 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
     are keyed by the global input index) and the per-input results are all-gathered, so every
     rank gets the single-process result.
     """
-    from ..engines.quantification import quantify_safety
-    from ..outputs import eval_mode
+    from pytest_dnnsafety.engines.quantification import quantify_safety
+    from pytest_dnnsafety.engines.core.guard import eval_mode
 
     opts = spec.options
     certified = opts["certified"]

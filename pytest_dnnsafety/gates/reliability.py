@@ -6,10 +6,10 @@ from dataclasses import replace
 from pathlib import Path, PurePath
 from typing import Any, Callable, Mapping
 
-from ..errors import MetricError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.errors import MetricError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
 
 __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
 
@@ -37,12 +37,12 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     """
     import time
 
-    from .. import ranks
-    from ..engines.reliability import ReliabilityAssessor
-    from ..engines.reliability.allocation import QueryCapError
+    from pytest_dnnsafety.runtime import torchrun as ranks
+    from pytest_dnnsafety.engines.reliability import ReliabilityAssessor
+    from pytest_dnnsafety.engines.reliability.allocation import QueryCapError
     from torch.utils.data import DataLoader
 
-    from ..loading import as_tensors
+    from pytest_dnnsafety.data.forms import as_tensors
 
     opts = dict(spec.options)
     data = fx["data"]

@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..errors import ConfigError
-from ..hookspecs import hookimpl
-from ..results import Measurement
-from .core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
 
 __all__ = [
     "MAX_ADVERSARIAL_CONFIDENCE_LOSS", "MIN_ROBUST_ACCURACY", "MIN_VERIFIED_ROBUSTNESS",
@@ -35,14 +35,14 @@ __all__ = [
 
 
 def _family_key(family: Any) -> str:
-    from ..engines.robustness.perturbations import family_name
+    from pytest_dnnsafety.engines.robustness.perturbations import family_name
 
     return family_name(family)
 
 
 def _families(spec: GateSpec) -> dict[str, Any]:
     """The marker's families as name -> callable, each with its budget checked."""
-    from ..engines.robustness.perturbations import make_family
+    from pytest_dnnsafety.engines.robustness.perturbations import make_family
 
     opts = spec.options
     out: dict[str, Any] = {}
@@ -83,7 +83,7 @@ def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
     Memoised by the objects (model, data, the user's family callables) and the values that set the
     measurement; under torchrun each rank measures its shard of the batches (:meth:`GateContext.shard`).
     """
-    from ..engines.robustness.confidence import assess_adversarial_confidence
+    from pytest_dnnsafety.engines.robustness.confidence import assess_adversarial_confidence
 
     if ctx.task == "detection":
         return _detector_adversarial(spec, fx, ctx)
@@ -101,7 +101,7 @@ def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any
 
 def _detector_adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
     """A detector's adversarial confidence per ground-truth object (shared between the two empirical gates)."""
-    from ..engines.robustness.detection import assess_detector_confidence
+    from pytest_dnnsafety.engines.robustness.detector import assess_detector_confidence
 
     opts = spec.options
     if opts["outputs"] != "auto":
@@ -151,7 +151,7 @@ def _at_chance(result: Any) -> str | None:
     about 0 however fragile it is. So the one-sided 95 % Clopper–Pearson lower bound on the clean
     accuracy must exceed that chance accuracy (the share of the most frequent label).
     """
-    from ..stats import clopper_pearson_lower
+    from pytest_dnnsafety.stats.intervals import clopper_pearson_lower
 
     chance = result.chance_accuracy
     if chance is None:
@@ -201,9 +201,9 @@ def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateCon
 
 def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
-    from ..engines.robustness.bounds_export import bounds_model_note
-    from ..engines.robustness.verification import verify_robustness
-    from ..outputs import eval_mode
+    from pytest_dnnsafety.engines.bounds.export import bounds_model_note
+    from pytest_dnnsafety.engines.robustness.verification import verify_robustness
+    from pytest_dnnsafety.engines.core.guard import eval_mode
 
     opts = spec.options
 
@@ -271,7 +271,7 @@ def _budget_map(value: Any) -> str | None:
 
 
 def _memory(value: Any) -> str | None:
-    from ..memsize import memory_problem
+    from pytest_dnnsafety.runtime.sizes import memory_problem
 
     return None if value is None else memory_problem(value)
 

@@ -8,12 +8,12 @@ Reports only render :class:`~pytest_dnnsafety.results.GateResult` records; they 
 a metric. Nothing here imports torch.
 """
 
-from .baseline import Baseline, compare, save_baseline
-from .environment import environment, file_digest
-from .evidence import build_evidence, prepare_evidence_path, write_evidence
-from .junit import junit_name, patch_junit
-from .markdown import append_step_summary, step_summary, write_github_step_summary
-from .terminal import baseline_notes, header_line, render_table
+from pytest_dnnsafety.report.baseline import Baseline, compare, save_baseline
+from pytest_dnnsafety.report.environment import environment, file_digest
+from pytest_dnnsafety.report.evidence import build_evidence, prepare_evidence_path, write_evidence
+from pytest_dnnsafety.report.junit import junit_name, patch_junit
+from pytest_dnnsafety.report.markdown import append_step_summary, step_summary, write_github_step_summary
+from pytest_dnnsafety.report.terminal import baseline_notes, header_line, render_table
 
 __all__ = [
     "environment",

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..errors import ConfigError
-from ..results import GateResult, format_number
-from .evidence import SCHEMA, write_evidence
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.results import GateResult, format_number
+from pytest_dnnsafety.report.evidence import SCHEMA, write_evidence
 
 __all__ = [
     "Baseline",
@@ -125,7 +125,7 @@ class Baseline:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise _fail(path, f"cannot be read ({type(exc).__name__}: {exc})") from None
-        from ..parsing import TooDeep, loads_json
+        from pytest_dnnsafety.files.parsing import TooDeep, loads_json
 
         try:
             data = loads_json(text)

@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
-from .._version import __version__
+from pytest_dnnsafety._version import __version__
 
 __all__ = ["environment", "file_digest", "package_version"]
 
@@ -39,14 +39,14 @@ def file_digest(path: Path) -> str:
 
 def _torchrun() -> dict[str, Any]:
     """``world_size`` (torchrun ranks; 1 without torchrun) and the process group's ``backend`` (None without)."""
-    from .. import ranks
+    from pytest_dnnsafety.runtime import torchrun as ranks
 
     return ranks.describe()
 
 
 def _threads(settings: Any, workers: int) -> dict[str, Any]:
     """torch's intra-op threads: the plan this process applied, or (xdist controller) the plan for each worker."""
-    from .. import threads
+    from pytest_dnnsafety.runtime import threads
 
     try:
         applied = threads.applied(settings)

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..results import STATUSES, GateResult
+from pytest_dnnsafety.results import STATUSES, GateResult
 
 __all__ = ["SCHEMA", "build_evidence", "write_evidence", "prepare_evidence_path"]
 

@@ -45,9 +45,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import ConfigError
-from ..results import STATUSES, format_numbers
-from .plots import _number, _plots  # the plots of a card (matplotlib, inline SVG)
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.results import STATUSES, format_numbers
+from pytest_dnnsafety.report.plots import _number, _plots  # the plots of a card (matplotlib, inline SVG)
 
 __all__ = ["EXTRA_MESSAGE", "require_html_extra", "check_html_path", "render_html", "write_html", "VERDICT_ORDER"]
 
@@ -86,7 +86,7 @@ def check_html_path(path: Path) -> None:
     and :class:`OSError` when the folder cannot be created or written. A page left by an earlier
     run is removed, so a crashed run leaves no page that looks current.
     """
-    from .evidence import prepare_evidence_path
+    from pytest_dnnsafety.report.evidence import prepare_evidence_path
 
     require_html_extra()
     prepare_evidence_path(path)
@@ -94,7 +94,7 @@ def check_html_path(path: Path) -> None:
 
 def write_html(path: Path, evidence: dict[str, Any]) -> Path:
     """Render ``evidence`` (from ``build_evidence``) and write the page atomically to ``path``."""
-    from .evidence import write_text_atomic
+    from pytest_dnnsafety.report.evidence import write_text_atomic
 
     return write_text_atomic(Path(path), render_html(evidence))
 

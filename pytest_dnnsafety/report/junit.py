@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..results import GateResult, format_number
+from pytest_dnnsafety.results import GateResult, format_number
 
 __all__ = ["junit_name", "patch_junit", "gate_line"]
 

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..results import STATUSES, GateResult, format_numbers
-from .baseline import format_change
-from .terminal import VERDICTS, header_line
+from pytest_dnnsafety.results import STATUSES, GateResult, format_numbers
+from pytest_dnnsafety.report.baseline import format_change
+from pytest_dnnsafety.report.terminal import VERDICTS, header_line
 
 __all__ = ["step_summary", "append_step_summary", "write_github_step_summary", "STEP_SUMMARY_ENV"]
 

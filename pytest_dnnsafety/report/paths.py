@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..errors import ConfigError, MarkerError
+from pytest_dnnsafety.errors import ConfigError, MarkerError
 
 __all__ = ["Output", "check_collisions", "check_gate_outputs", "check_marker_output", "prepare_output",
            "run_outputs", "MARKER_OUTPUT_PARAMS"]
@@ -167,11 +167,11 @@ def prepare_output(settings: Any, name: str, example: str, *, remove_stale: bool
     path = settings.path(resolved)
     try:
         if name == "html":
-            from .html import check_html_path
+            from pytest_dnnsafety.report.html import check_html_path
 
             check_html_path(path)
         elif remove_stale:
-            from .evidence import prepare_evidence_path
+            from pytest_dnnsafety.report.evidence import prepare_evidence_path
 
             prepare_evidence_path(path)
         else:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import DnnSafetyError
-from ..results import STATUSES, GateResult
+from pytest_dnnsafety.errors import DnnSafetyError
+from pytest_dnnsafety.results import STATUSES, GateResult
 
 __all__ = ["Targets", "Written", "write_outputs", "junit_properties"]
 
@@ -47,7 +47,7 @@ class Written:
 
 
 def _write_html(path: Path, evidence: dict[str, Any]) -> Path:
-    from .html import write_html  # jinja2 and matplotlib only when a page is asked for
+    from pytest_dnnsafety.report.html import write_html  # jinja2 and matplotlib only when a page is asked for
 
     return write_html(path, evidence)
 
@@ -69,10 +69,10 @@ def junit_properties(rows: Sequence[GateResult], environment: dict[str, Any]) ->
 def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost: Sequence[str],
                   targets: Targets) -> Written:
     """Write every output of the run from one evidence dict; failures are recorded in the answer."""
-    from .baseline import save_baseline
-    from .evidence import build_evidence, write_evidence
-    from .junit import patch_junit
-    from .markdown import write_github_step_summary
+    from pytest_dnnsafety.report.baseline import save_baseline
+    from pytest_dnnsafety.report.evidence import build_evidence, write_evidence
+    from pytest_dnnsafety.report.junit import patch_junit
+    from pytest_dnnsafety.report.markdown import write_github_step_summary
 
     written = Written()
     evidence = build_evidence(rows, environment, lost)  # one dict for every output

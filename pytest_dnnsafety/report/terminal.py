@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..results import GateResult, format_numbers
+from pytest_dnnsafety.results import GateResult, format_numbers
 
 __all__ = ["header_line", "render_table", "baseline_notes", "change_cell", "write_section", "VERDICTS"]
 
@@ -41,7 +41,7 @@ def _baseline(result: GateResult) -> dict[str, Any] | None:
 
 def change_cell(comparison: dict[str, Any] | None) -> str:
     """The ``change`` column's text for one gate's baseline comparison ("" when not compared)."""
-    from .baseline import format_change
+    from pytest_dnnsafety.report.baseline import format_change
 
     if not comparison:
         return ""

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
-from ..results import GateResult
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.results import GateResult
 
 __all__ = ["configured", "check_configured", "judge"]
 
@@ -31,7 +31,7 @@ def check_configured(settings: Any) -> None:
     resolved = configured(settings)
     if resolved is None:
         return
-    from .baseline import Baseline
+    from pytest_dnnsafety.report.baseline import Baseline
 
     try:
         Baseline.load(settings.path(resolved))
@@ -46,7 +46,7 @@ def _load_once(settings: Any, resolved: Any, cache: dict[str, Any] | None) -> An
     key = ("baseline", str(path))
     if key not in store:
         try:
-            from .baseline import Baseline
+            from pytest_dnnsafety.report.baseline import Baseline
 
             store[key] = Baseline.load(path)
         except Exception as exc:  # a ConfigError naming the file, or the module is missing
@@ -70,7 +70,7 @@ def judge(result: GateResult, limit: float | None, settings: Any, cache: dict[st
         baseline = _load_once(settings, resolved, cache)
         if isinstance(baseline, Exception):
             raise baseline
-        from .baseline import compare
+        from pytest_dnnsafety.report.baseline import compare
 
         comparison = compare(result, baseline.lookup(result.nodeid, result.marker), limit)
     except Exception as exc:

@@ -15,7 +15,7 @@ reaches. This module adds what users need around the ratio:
 * :meth:`ScenarioTable.strategy` — a hypothesis strategy drawing feasible scenarios,
   uncovered cells first.
 
-Counting is done by :class:`~pytest_dnnsafety.engines.scenario.ScenarioCoverageEngine`.
+Counting is done by :class:`~pytest_dnnsafety.engines.coverage.scenario.ScenarioCoverageEngine`.
 """
 
 from __future__ import annotations

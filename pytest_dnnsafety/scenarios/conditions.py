@@ -15,9 +15,9 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.scenario import ProjectionLayout
+from pytest_dnnsafety.engines.core.projection import ProjectionLayout
 from pytest_dnnsafety.errors import ConfigError, DataError
-from pytest_dnnsafety.parsing import TooDeep, check_depth
+from pytest_dnnsafety.files.parsing import TooDeep, check_depth
 
 #: Largest number of joint assignments of one group of restricted conditions that is
 #: enumerated to decide cell feasibility exactly; larger groups fall back to a sufficient check.

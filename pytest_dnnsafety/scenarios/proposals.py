@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.scenario import ProjectionLayout
+from pytest_dnnsafety.engines.core.projection import ProjectionLayout
 from pytest_dnnsafety.errors import ConfigError, MetricError
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
     from pytest_dnnsafety.scenarios.conditions import Conditions
-    from pytest_dnnsafety.scenarios.table import ScenarioTable
 
 
 # ---------------------------------------------------------------------- proposals
@@ -140,7 +139,7 @@ def _propose(
     return chosen, closes_list
 
 
-def scenario_strategy(table: ScenarioTable, k: int = 2) -> SearchStrategy[dict[str, str]]:
+def scenario_strategy(table: Any, k: int = 2) -> SearchStrategy[dict[str, str]]:
     """A hypothesis strategy of feasible scenario dicts, uncovered k-cells first.
 
     Draws an uncovered cell (``sampled_from``, so shrinking goes to the first uncovered cell)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.scenario import ProjectionLayout
+from pytest_dnnsafety.engines.core.projection import ProjectionLayout
 
 if TYPE_CHECKING:
     from pytest_dnnsafety.scenarios.conditions import Conditions

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.scenario import ScenarioCoverageEngine
+from pytest_dnnsafety.engines.coverage.scenario import ScenarioCoverageEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.scenarios.conditions import Conditions, Where, _as_value_list, _prefix
 from pytest_dnnsafety.scenarios.proposals import _propose, scenario_strategy
@@ -393,10 +393,10 @@ def _format_violation(example: Mapping[str, Any]) -> str:
 def count_samples(data: Any) -> int:
     """The number of samples in ``data`` without materialising it where its length is known.
 
-    :func:`~pytest_dnnsafety.data.known_length` where it knows; otherwise (an unsized loader or
+    :func:`~pytest_dnnsafety.data.forms.known_length` where it knows; otherwise (an unsized loader or
     data in another form) the data is read once and its rows counted.
     """
-    from pytest_dnnsafety.data import as_tensors, iter_batches, known_length
+    from pytest_dnnsafety.data.forms import as_tensors, iter_batches, known_length
 
     n = known_length(data)
     if n is not None:

@@ -11,8 +11,8 @@ Uniform at 10,000 samples per cell is run once; adaptive at 1/10, 1/20, 1/40 and
 queries. Recorded in ``benchmark.extra_info`` and printed: queries and wall time of each, the
 bounds (the sound default, ``"chernoff"`` with the bootstrap of the masses; and the same counts
 bounded with the masses taken as known, ``bootstrap=0``'s bound, computed from each run's cell
-table by :func:`~pytest_dnnsafety.stats.chernoff_upper` /
-:func:`~pytest_dnnsafety.stats.stratified_chernoff_upper`), and the largest query ratio at which
+table by :func:`~pytest_dnnsafety.stats.intervals.chernoff_upper` /
+:func:`~pytest_dnnsafety.stats.intervals.stratified_chernoff_upper`), and the largest query ratio at which
 adaptive still reaches the uniform bound. The asserts are on bounds and query counts
 (deterministic for the seed), never on time.
 """
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_dnnsafety import stats
+from pytest_dnnsafety.stats import intervals as stats
 from pytest_dnnsafety.engines.reliability import CROSS, ReliabilityAssessor, ReliabilityWarning
 
 pytest.importorskip("sklearn")

@@ -10,7 +10,7 @@ another process holds — so the engines ran 6–25× slower than they need to. 
   MLP on a 25 × 25 grid at 1,000 samples per cell (625,000 model queries, 20 bootstrap refits).
 
 Each is timed (best of :data:`ROUNDS`) with *before* = torch's own default thread count (read from
-a fresh interpreter) and *after* = the plugin's ``auto`` policy (:func:`pytest_dnnsafety.threads.plan`,
+a fresh interpreter) and *after* = the plugin's ``auto`` policy (:func:`pytest_dnnsafety.runtime.threads.plan`,
 its load measured while the competitor runs), on a quiet machine and with one competitor (a
 Python busy loop in a subprocess). A table is printed; times and ratios go to
 ``benchmark.extra_info``. No timing asserts: the machine may be shared. The figures in the
@@ -29,11 +29,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from pytest_dnnsafety import threads
-from pytest_dnnsafety.config import Settings
+from pytest_dnnsafety.runtime import threads
+from pytest_dnnsafety.settings import Settings
 from pytest_dnnsafety.engines import NeuronKActivationEngine
 from pytest_dnnsafety.engines.reliability import assess_reliability
-from pytest_dnnsafety.profile import OperationalProfile
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 ROUNDS = 3
 SPIN = "while True:\n    pass\n"

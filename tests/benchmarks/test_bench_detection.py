@@ -17,7 +17,7 @@ import torch
 from _timing import engine_seconds
 
 from _coco_reference import coco_eval, random_case
-from pytest_dnnsafety.engines.detection import BoxMatchEngine
+from pytest_dnnsafety.engines.detection.matching import BoxMatchEngine
 
 pytest.importorskip("pycocotools")
 

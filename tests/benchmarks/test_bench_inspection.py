@@ -24,7 +24,7 @@ import pytest
 import torch
 from _timing import engine_seconds
 
-from pytest_dnnsafety.engines.inspection import InspectionEngine
+from pytest_dnnsafety.engines.inspection.deepinspect import InspectionEngine
 
 N_CLASSES, N_UNITS, N_INPUTS = 100, 512, 10_000
 BIG_CLASSES, BIG_INPUTS, SUB_CLASSES = 1_000, 50_000, 100

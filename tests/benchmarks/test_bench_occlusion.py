@@ -2,7 +2,7 @@
 
 M_interpret and M_OccSen (Cheng et al. 2018, §II-F/G, eq. 5) need one forward pass per occluder
 position per image: 49 positions on an 8x8 digit, 49,000 occluded images for 1,000 digits. The
-engine (:func:`~pytest_dnnsafety.engines.occlusion.occlusion_maps`) builds the occluded copies
+engine (:func:`~pytest_dnnsafety.engines.interpretability.occlusion.occlusion_maps`) builds the occluded copies
 of a batch of 256 images on the device and sends them to the model 4,096 at a time; the
 reference occludes one position of one image per forward pass, as a straightforward Python
 loop would. The loop runs on a subsample of 20 images and its time is extrapolated to the
@@ -20,7 +20,7 @@ import torch
 from _timing import engine_seconds
 
 from _digits import digits_cnn, digits_images
-from pytest_dnnsafety.engines.occlusion import occlusion_maps, occlusion_positions
+from pytest_dnnsafety.engines.interpretability.occlusion import occlusion_maps, occlusion_positions
 
 N_IMAGES = 1_000
 N_LOOP = 20

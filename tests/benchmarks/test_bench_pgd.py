@@ -17,7 +17,7 @@ import torch
 from _timing import engine_seconds
 
 from _digits import digits_cnn, digits_images
-from pytest_dnnsafety.engines.robustness.attacks import pgd
+from pytest_dnnsafety.engines.perturb.adversarial import pgd
 
 N_IMAGES = 1_000
 N_LOOP = 100

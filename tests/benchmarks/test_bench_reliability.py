@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from pytest_dnnsafety.engines.reliability import ReliabilityAssessor, ReliabilityWarning, assess_reliability
-from pytest_dnnsafety.profile import OperationalProfile
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 GRID = 250
 EPS = 1.0 / GRID

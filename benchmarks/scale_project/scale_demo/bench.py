@@ -48,7 +48,7 @@ _DRIVER = r'''
 import json, os, re, resource, sys, time
 import torch  # imported once, before any module runs: every child starts from this process image
 import pytest
-import pytest_dnnsafety.plugin, pytest_dnnsafety.gates  # noqa: F401
+import pytest_dnnsafety.plugin.hooks, pytest_dnnsafety.gates  # noqa: F401
 import scale_demo.data, scale_demo.project  # noqa: F401
 
 units, out = json.loads(sys.argv[1]), sys.argv[2]

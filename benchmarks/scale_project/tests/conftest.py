@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile
-from pytest_dnnsafety.outputs import probing
-from pytest_dnnsafety.profile import PCA
+from pytest_dnnsafety.engines.core.guard import probing
+from pytest_dnnsafety.engines.reliability.profile import PCA
 from scale_demo import project
 from scale_demo.data import ShardImages, boxes_loader, loader
 

@@ -16,26 +16,26 @@
 
 from __future__ import annotations
 
-from . import autoencoder as _autoencoder
-from . import base as _base
-from . import detection as _detection
-from . import faults as _faults
-from . import features as _features
-from . import metrics as _metrics
-from . import output as _output
-from . import overhead as _overhead
-from . import stream as _stream
-from . import view as _view
-from .autoencoder import *
-from .base import *
-from .detection import *
-from .faults import *
-from .features import *
-from .metrics import *
-from .output import *
-from .overhead import *
-from .stream import *
-from .view import *
+from pytest_dnnsafety.engines.monitors import autoencoder as _autoencoder
+from pytest_dnnsafety.engines.monitors import base as _base
+from pytest_dnnsafety.engines.monitors import detector as _detection
+from pytest_dnnsafety.engines.monitors import faults as _faults
+from pytest_dnnsafety.engines.monitors import features as _features
+from pytest_dnnsafety.engines.monitors import metrics as _metrics
+from pytest_dnnsafety.engines.monitors import output as _output
+from pytest_dnnsafety.engines.monitors import overhead as _overhead
+from pytest_dnnsafety.engines.monitors import stream as _stream
+from pytest_dnnsafety.engines.monitors import view as _view
+from pytest_dnnsafety.engines.monitors.autoencoder import *
+from pytest_dnnsafety.engines.monitors.base import *
+from pytest_dnnsafety.engines.monitors.detector import *
+from pytest_dnnsafety.engines.monitors.faults import *
+from pytest_dnnsafety.engines.monitors.features import *
+from pytest_dnnsafety.engines.monitors.metrics import *
+from pytest_dnnsafety.engines.monitors.output import *
+from pytest_dnnsafety.engines.monitors.overhead import *
+from pytest_dnnsafety.engines.monitors.stream import *
+from pytest_dnnsafety.engines.monitors.view import *
 
 __all__: list[str] = []
 for _module in (_view, _base, _overhead, _output, _detection, _features, _autoencoder, _faults, _stream, _metrics):

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, MetricError
-from ...outputs import describe_model, eval_mode, model_dtype_device
-from .base import Monitor, MonitorView
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.guard import describe_model, eval_mode, model_dtype_device
+from pytest_dnnsafety.engines.monitors.base import Monitor, MonitorView
 
 __all__ = ["Autoencoder"]
 

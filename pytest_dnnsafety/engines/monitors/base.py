@@ -16,7 +16,7 @@ calibration rows, fits on the former and calibrates on the latter.
 
 Monitors read the model through a :class:`~.view.MonitorView`: the model's outputs and the per-neuron
 features of hidden layers come from the session's
-:class:`~pytest_dnnsafety.activations.ActivationCache`, so every monitor of a session (and every
+:class:`~pytest_dnnsafety.engines.core.capture.ActivationCache`, so every monitor of a session (and every
 neuron gate) on the same model and data shares one forward pass. Monitors that need more than one
 plain pass (ODIN's input perturbation, an autoencoder, a user monitor) read the inputs batch by batch
 through the view's runner (:meth:`~.view.MonitorView.each`). A sharded view (torchrun) is scored on
@@ -39,11 +39,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ...activations import ActivationCache
-from ...data import known_length
-from ...errors import ConfigError, DataError, MetricError
-from ..checks import check_share
-from .view import MonitorView
+from pytest_dnnsafety.engines.core.capture import ActivationCache
+from pytest_dnnsafety.data.forms import known_length
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.data.checks import check_share
+from pytest_dnnsafety.engines.monitors.view import MonitorView
 
 __all__ = [
     "Monitor",
@@ -139,8 +139,8 @@ class Monitor(abc.ABC):
                               f"(or monitor.fit(view)) before score.")
         if view.shard is None or not view.gather:
             return self._check_scores(self._score(view), view.n_inputs, view.first_row)
-        from ... import ranks
-        from ..states import all_gather_rows
+        from pytest_dnnsafety.runtime import torchrun as ranks
+        from pytest_dnnsafety.engines.core.states import all_gather_rows
 
         # Each rank scores its shard (the single-process batches); the ranks agree that all succeeded,
         # then every rank gathers all scores, in row order (the shards are contiguous, in rank order).
@@ -286,7 +286,7 @@ def fit_monitor(monitor: Any, model: Any, data: Any, *, seed: int = 0, batch_siz
     calibration rows. A monitor with a rule-based :meth:`Monitor.fixed_threshold` is fitted on all rows.
     ``monitor`` may also be a user object with ``fit(model, x, y)`` and ``score(model, x)`` (see
     :func:`as_monitor`); the wrapper is returned then. Outputs and features come from ``cache`` (a private
-    :class:`~pytest_dnnsafety.activations.ActivationCache` when None): fitting costs one forward pass, which also
+    :class:`~pytest_dnnsafety.engines.core.capture.ActivationCache` when None): fitting costs one forward pass, which also
     captures the layers of ``plan`` (e.g. every layer the session's monitors read) besides the monitor's own.
     """
     monitor = as_monitor(monitor)

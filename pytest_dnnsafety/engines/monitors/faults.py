@@ -107,10 +107,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, DataError
-from .. import perturb
-from ..perturb import fgsm, pgd
-from ..perturb.common import as_images, check_clip, value_range
+from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.engines import perturb
+from pytest_dnnsafety.engines.perturb import fgsm, pgd
+from pytest_dnnsafety.engines.perturb.common import as_images, check_clip, value_range
 
 __all__ = [
     "FAULT_FAMILIES",

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...activations import REDUCTIONS
-from ...errors import ConfigError, DataError
-from ..base import Engine
-from ..checks import check_choice, check_count, check_positive
-from .base import BY_CHOICES, Monitor, MonitorView, fit_classes, n_classes
+from pytest_dnnsafety.engines.core.capture import REDUCTIONS
+from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.engines.core.base import Engine
+from pytest_dnnsafety.data.checks import check_choice, check_count, check_positive
+from pytest_dnnsafety.engines.monitors.base import BY_CHOICES, Monitor, MonitorView, fit_classes, n_classes
 
 __all__ = ["OutsideTheBox", "ActivationPatterns", "Mahalanobis", "ClassGaussianStats", "UNSEEN_SCORE",
            "kmeans_by_class", "pack_patterns", "unpack_patterns", "hamming_distances"]

@@ -12,7 +12,7 @@ OOD is the positive class throughout (Ferreira et al.). The monitor's alarm is i
 Where we differ from the published reference code of the monitor benchmark (Ferreira et al.):
 that code read the per-class figures of a classification report for the *ID* class, which swaps
 FPR and FNR and reports the negative predictive value as "precision" (and its "micro-F1" is a
-weighted F1). Here every figure is the OOD class's, as defined above; ``tests/test_monitor_metrics.py``
+weighted F1). Here every figure is the OOD class's, as defined above; ``tests/families/monitors/test_monitor_metrics.py``
 pins the difference on the acceptance case (tn=630, fp=70, fn=90, tp=210: FPR 0.10, FNR 0.30,
 precision 0.75 — the swapped reading would say FPR 0.30, FNR 0.10, precision 0.875).
 
@@ -52,7 +52,7 @@ error. For novel classes every model decision counts as wrong (the caller passes
 true there).
 
 :class:`DetectionEngine` streams the four counts as int64 ``sum`` states (merge/sync/payload via
-:class:`~pytest_dnnsafety.engines.base.Engine`); ``update`` never synchronises with the host.
+:class:`~pytest_dnnsafety.engines.core.base.Engine`); ``update`` never synchronises with the host.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.base import Engine
+from pytest_dnnsafety.engines.core.base import Engine
 from pytest_dnnsafety.errors import ConfigError, DataError
 
 __all__ = [

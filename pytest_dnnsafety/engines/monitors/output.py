@@ -6,7 +6,7 @@ along the gradient of its own confidence, so it costs one forward + one backward
 one more forward per batch.
 
 The model may return logits or probabilities (told apart once at fit, as the attacks do,
-:func:`~pytest_dnnsafety.engines.robustness.attacks.detect_outputs`). For probabilities, ``log p`` stands in
+:func:`~pytest_dnnsafety.engines.perturb.adversarial.detect_outputs`). For probabilities, ``log p`` stands in
 for the logits: ``log p = z − logsumexp(z)`` differs from the logits ``z`` by a per-row constant, to which
 softmax (hence MSP and ODIN, at any temperature) is invariant, so both give exactly the scores they would give
 on the logits. Energy is not shift-invariant and needs real logits: probabilities are a :class:`MetricError`.
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, MetricError
-from ...outputs import describe_model, eval_mode
-from ..checks import check_positive
-from ..robustness.attacks import detect_outputs
-from .base import Monitor, MonitorView
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.guard import describe_model, eval_mode
+from pytest_dnnsafety.data.checks import check_positive
+from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs
+from pytest_dnnsafety.engines.monitors.base import Monitor, MonitorView
 
 __all__ = ["MSP", "ODIN", "Energy"]
 

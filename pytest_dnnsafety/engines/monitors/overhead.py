@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ...errors import DataError
-from ...outputs import eval_mode
-from ..checks import check_count
-from .base import Monitor, MonitorView, as_monitor
+from pytest_dnnsafety.errors import DataError
+from pytest_dnnsafety.engines.core.guard import eval_mode
+from pytest_dnnsafety.data.checks import check_count
+from pytest_dnnsafety.engines.monitors.base import Monitor, MonitorView, as_monitor
 
 __all__ = ["Overhead", "measure_overhead"]
 

@@ -1,8 +1,8 @@
 """Fault sets as lazy data: the evaluation data under a fault family, faulted batch by batch as it is read.
 
 A :class:`FaultStream` is a ``DataLoader``: every data form the gates accept reads it (the
-:class:`~pytest_dnnsafety.engines.runner.Runner`, the shared forward pass of
-:class:`~pytest_dnnsafety.activations.ActivationCache`, a :class:`~.view.MonitorView`), and nothing
+:class:`~pytest_dnnsafety.engines.core.runner.Runner`, the shared forward pass of
+:class:`~pytest_dnnsafety.engines.core.capture.ActivationCache`, a :class:`~.view.MonitorView`), and nothing
 holds the faulted data set: each batch of the source is read, faulted with
 :func:`~.faults.apply_fault` and dropped after use. So a monitor gate over a ``DataLoader`` of a
 data set larger than memory streams, and its peak memory does not grow with the data.
@@ -13,7 +13,7 @@ run, process and torchrun rank. The draws therefore depend on the batch size (th
 ``DataLoader``'s own, else the gate's ``dnnsafety_batch_size``), as for the robustness families: the
 same data batched alike gives the same fault set, whatever its form (tensors or a loader).
 Adversarial families (``fgsm``, ``pgd``) attack the model batch by batch on the model's device; the
-attack's own forward passes are marked as not data (:func:`~pytest_dnnsafety.outputs.probing`), so a
+attack's own forward passes are marked as not data (:func:`~pytest_dnnsafety.engines.core.guard.probing`), so a
 pass that reads the stream while recording the model's layers records only the faulted inputs.
 
 **Shards.** Over a map-style source (tensors, a ``TensorDataset``, an in-order ``DataLoader`` with a
@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-from ...data import _split_batch, as_tensors, check_loader_order, iter_batches
-from ...errors import ConfigError
-from ...outputs import _PROBING, model_dtype_device
-from .faults import FAULT_GROUPS, apply_fault, check_severity
+from pytest_dnnsafety.data.forms import _split_batch, as_tensors, check_loader_order, iter_batches
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.engines.core.guard import _PROBING, model_dtype_device
+from pytest_dnnsafety.engines.monitors.faults import FAULT_GROUPS, apply_fault, check_severity
 
 __all__ = ["FaultStream", "batch_fault_seed", "fault_stream"]
 

@@ -1,14 +1,14 @@
 """What a runtime monitor may read about one data set: :class:`MonitorView` (Ferreira et al.; docs: gates/monitors.md).
 
 The model's outputs and the per-neuron features of hidden layers come from the session's
-:class:`~pytest_dnnsafety.activations.ActivationCache`, so every monitor of a session (and every
+:class:`~pytest_dnnsafety.engines.core.capture.ActivationCache`, so every monitor of a session (and every
 neuron gate) on the same model and data shares one forward pass; those are per-input values (logits,
 predictions, neuron reductions), never the inputs. Monitors that need more than one plain pass
 (ODIN's input perturbation, an autoencoder, a user monitor's ``score``) read the inputs batch by
-batch through the view's :class:`~pytest_dnnsafety.engines.runner.Runner` (:meth:`MonitorView.runner`
+batch through the view's :class:`~pytest_dnnsafety.engines.core.runner.Runner` (:meth:`MonitorView.runner`
 and :meth:`MonitorView.each`), so a ``DataLoader`` streams and nothing holds the whole data set.
 
-Under torchrun a view may hold one rank's :class:`~pytest_dnnsafety.ranks.Shard`: its outputs,
+Under torchrun a view may hold one rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard`: its outputs,
 features and batches are then that rank's rows only (the batches of the single-process run, with
 their global indices), and :meth:`~pytest_dnnsafety.engines.monitors.Monitor.score` all-gathers the
 per-input scores, so every rank holds the single-process scores. Pure torch; no pytest import.
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...activations import ActivationCache, ModelOutputs
-from ...data import known_length
-from ...errors import ConfigError, DataError, MetricError
-from ...tasks import BoxSet
-from ..checks import check_count
-from ..runner import Batch, Runner, model_device
+from pytest_dnnsafety.engines.core.capture import ActivationCache, ModelOutputs
+from pytest_dnnsafety.data.forms import known_length
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.data.tasks import BoxSet
+from pytest_dnnsafety.data.checks import check_count
+from pytest_dnnsafety.engines.core.runner import Batch, Runner, model_device
 
 __all__ = ["MonitorView"]
 
@@ -40,10 +40,10 @@ class MonitorView:
     ``model`` and ``data`` (any accepted data form: tensors, ``(x, y)``, a dict, a ``TensorDataset``, an
     in-order ``DataLoader``); ``batch_size`` and ``device`` as for the neuron gates (``device`` only for a
     model without parameters: batches go to the model's own device). ``cache``: the session's
-    :class:`~pytest_dnnsafety.activations.ActivationCache` (a private one when None). ``plan``: layers to
+    :class:`~pytest_dnnsafety.engines.core.capture.ActivationCache` (a private one when None). ``plan``: layers to
     capture in the same pass as the outputs (the monitors' :meth:`Monitor.layers`). ``rows``: a subset of
     the data's rows (1-D int64 indices; see :meth:`subset`). ``shard``: this torchrun rank's
-    :class:`~pytest_dnnsafety.ranks.Shard` of the data (not with ``rows``): the view is that rank's rows, and
+    :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the data (not with ``rows``): the view is that rank's rows, and
     ``Monitor.score`` all-gathers the ranks' scores unless ``gather`` is False (every rank then scores its own
     rows alone, e.g. to time the monitor on one rank).
     """
@@ -101,11 +101,11 @@ class MonitorView:
         return tensor if self.rows is None else tensor[self.rows.to(tensor.device)]
 
     def _select_labels(self, labels: Any) -> Any:
-        """Labels (a tensor) or a detector's packed boxes (a :class:`~pytest_dnnsafety.tasks.BoxSet`) of the rows."""
+        """Labels (a tensor) or a detector's packed boxes (a :class:`~pytest_dnnsafety.data.tasks.BoxSet`) of the rows."""
         if labels is None or self.rows is None:
             return labels
         if isinstance(labels, BoxSet):
-            from ..detector_scores import select_images
+            from pytest_dnnsafety.engines.core.detections import select_images
 
             return select_images(labels, self.rows)
         return self._select(labels)
@@ -113,7 +113,7 @@ class MonitorView:
     # -- the shared pass
 
     def outputs(self) -> ModelOutputs:
-        """The model's :class:`~pytest_dnnsafety.activations.ModelOutputs` on the view's rows (cached pass)."""
+        """The model's :class:`~pytest_dnnsafety.engines.core.capture.ModelOutputs` on the view's rows (cached pass)."""
         if self._outputs is None:
             out = self.cache.outputs(self.model, self.data, batch_size=self.batch_size, device=self.device,
                                      plan=self.plan, shard=self.shard)
@@ -165,7 +165,7 @@ class MonitorView:
     # -- the inputs themselves, batch by batch
 
     def runner(self, what: str) -> Runner:
-        """A :class:`~pytest_dnnsafety.engines.runner.Runner` over the view's data (its model, device, batch size
+        """A :class:`~pytest_dnnsafety.engines.core.runner.Runner` over the view's data (its model, device, batch size
         and shard); pass it to :meth:`each`, take guards from it, and call its ``check()`` after the loop."""
         return Runner(what, model=self.model, device=self.device, batch_size=self.batch_size, shard=self.shard)
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .adversarial import detect_outputs, fgsm, input_gradient, log_probs, pgd
-from .common import as_images, check_clip, clamp, draw, fill_value, images, value_range
-from .geometric import blur, blur_radius, gaussian_kernel, random_rotation, rotate, rotation_map, translate, warp
-from .noise import gaussian_noise, impulse_noise, shot_noise, speckle_noise
-from .occlusion import black_frame, copied_rows, copy_source, occlude, row_mask, shifted_rows, zeroed_rows
-from .photometric import brightness, contrast, haze, haze_field
+from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs, fgsm, input_gradient, log_probs, pgd
+from pytest_dnnsafety.engines.perturb.common import as_images, check_clip, clamp, draw, fill_value, images, value_range
+from pytest_dnnsafety.engines.perturb.geometric import blur, blur_radius, gaussian_kernel, random_rotation, rotate, rotation_map, translate, warp
+from pytest_dnnsafety.engines.perturb.noise import gaussian_noise, impulse_noise, shot_noise, speckle_noise
+from pytest_dnnsafety.engines.perturb.occlusion import black_frame, copied_rows, copy_source, occlude, row_mask, shifted_rows, zeroed_rows
+from pytest_dnnsafety.engines.perturb.photometric import brightness, contrast, haze, haze_field
 
 __all__ = [
     "TRANSFORMS",

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, MetricError
-from ...outputs import ForwardGuard, describe_model
-from .common import check_clip, draw, is_real
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.guard import ForwardGuard, describe_model
+from pytest_dnnsafety.engines.perturb.common import check_clip, draw, is_real
 
 __all__ = [
     "LOSSES",

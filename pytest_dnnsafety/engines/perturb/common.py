@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, DataError
+from pytest_dnnsafety.errors import ConfigError, DataError
 
 __all__ = ["as_images", "check_clip", "clamp", "draw", "fill_value", "images", "is_real", "value_range"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import clamp, draw, fill_value, images
+from pytest_dnnsafety.engines.perturb.common import clamp, draw, fill_value, images
 
 __all__ = ["blur", "blur_radius", "gaussian_kernel", "random_rotation", "rotate", "rotation_map", "translate", "warp"]
 

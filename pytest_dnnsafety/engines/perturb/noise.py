@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import clamp, draw, value_range
+from pytest_dnnsafety.engines.perturb.common import clamp, draw, value_range
 
 __all__ = ["gaussian_noise", "impulse_noise", "shot_noise", "speckle_noise"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import clamp, draw, fill_value, images
+from pytest_dnnsafety.engines.perturb.common import clamp, draw, fill_value, images
 
 __all__ = ["black_frame", "copied_rows", "copy_source", "occlude", "row_mask", "shifted_rows", "zeroed_rows"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import clamp, draw, images, value_range
+from pytest_dnnsafety.engines.perturb.common import clamp, draw, images, value_range
 
 __all__ = ["brightness", "contrast", "haze", "haze_field"]
 

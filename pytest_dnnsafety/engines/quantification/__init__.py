@@ -82,12 +82,12 @@ Host synchronisation: exactly one per iteration for the whole batch (selecting t
 active, which spares the forward passes of converged ones; checked with
 ``torch.cuda.set_sync_debug_mode``), plus per call one for the input checks, one for the first
 selection, with ``outputs="auto"`` one to detect the output kind, and with a
-:class:`~pytest_dnnsafety.outputs.ForwardGuard` its one check at the end. The gradient-norm ascent
+:class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard` its one check at the end. The gradient-norm ascent
 adds none; the PGD check of :func:`quantify_safety` one per batch (selecting the inputs with a
 radius > 0).
 
 **Certified companion** (:func:`certified_radius`): where
-:class:`~pytest_dnnsafety.engines.robustness.bounds.BoundedModel` covers the model (logits out,
+:class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel` covers the model (logits out,
 supported layers), sound bounds give a *proved* lower bound ``r`` on the safe radius: every
 ``x̂`` with ``‖x̂ − x‖∞ ≤ r`` inside ``clip`` has ``s(x̂) ≥ 0`` — more precisely, a sound lower
 bound of ``s`` over that box is positive. The bound on ``s`` is built from logit bounds:
@@ -124,15 +124,15 @@ the estimate only when asked (``statistic="estimate"``). Pure torch; no pytest i
 
 from __future__ import annotations
 
-from .certified import certified_radius
-from .common import (
+from pytest_dnnsafety.engines.quantification.certified import certified_radius
+from pytest_dnnsafety.engines.quantification.common import (
     BOUND_METHODS, EXPRESSIONS, NORMS, SEARCHES, confidence_interval, lp_norm, project_ball, project_l1_ball,
     reachability, safety_values, uncertainty,
 )
-from .dataset import STATISTICS, SafetyQuantification, quantify_safety
-from .engine import SafeRadiusEngine
-from .gradients import dual_norm, gradient_ascent, pgd_nearest_unsafe
-from .search import LipschitzSearch, lipschitz_search
+from pytest_dnnsafety.engines.quantification.dataset import STATISTICS, SafetyQuantification, quantify_safety
+from pytest_dnnsafety.engines.quantification.engine import SafeRadiusEngine
+from pytest_dnnsafety.engines.quantification.gradients import dual_norm, gradient_ascent, pgd_nearest_unsafe
+from pytest_dnnsafety.engines.quantification.search import LipschitzSearch, lipschitz_search
 
 __all__ = [
     "EXPRESSIONS", "NORMS", "SEARCHES", "BOUND_METHODS", "STATISTICS",

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..robustness.attacks import check_clip, detect_outputs, log_probs
-from ..checks import check_choice, check_count, check_positive
-from .common import (
+from pytest_dnnsafety.engines.perturb.adversarial import check_clip, detect_outputs, log_probs
+from pytest_dnnsafety.data.checks import check_choice, check_count, check_positive
+from pytest_dnnsafety.engines.quantification.common import (
     BOUND_METHODS, _applicable, _check_expression, _check_inputs, _check_label_range,
     _check_outputs, _classes, _evaluate, _forward, _to_model,
 )
@@ -59,7 +59,7 @@ def certified_radius(
     — an :class:`UnsupportedLayerError`, or a model that returns probabilities — gives
     ``(None, reason)``.
     """
-    from ..robustness.bounds import BoundedModel, UnsupportedLayerError
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
 
     kind, label, eps = _check_expression(expression, label, eps)
     d = check_positive(d, "d", fix="give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, DataError, MetricError
-from ..checks import check_choice
-from ...outputs import ForwardGuard, model_dtype_device
-from ..robustness.attacks import OUTPUTS, detect_outputs, log_probs
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.data.checks import check_choice
+from pytest_dnnsafety.engines.core.guard import ForwardGuard, model_dtype_device
+from pytest_dnnsafety.engines.perturb.adversarial import OUTPUTS, detect_outputs, log_probs
 
 #: The safety expressions (see the module docstring).
 EXPRESSIONS = ("top_vs_runner_up", "top_vs_label", "top_vs_least", "uncertainty", "reachability")
@@ -271,7 +271,7 @@ def _gaussian(seed: int, index: Tensor, start: Tensor, iteration: int, n: int) -
 
 def _check_inputs(x: Tensor, clip: tuple[float, float] | None) -> None:
     """DataError for non-finite inputs or inputs outside ``clip`` (one host read)."""
-    from ..robustness.bounds import outside_clip, outside_clip_error
+    from pytest_dnnsafety.engines.bounds.model import outside_clip, outside_clip_error
 
     bad, outside = torch.stack([(~torch.isfinite(x)).sum(), outside_clip(x, clip)]).tolist()
     if bad:

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, MetricError
-from ..runner import Batch, Runner
-from .certified import certified_radius
-from ..checks import check_choice, check_count
-from .common import BOUND_METHODS, _check_expression, _real, lp_norm
-from .engine import WORST_COLUMNS, SafeRadiusEngine
-from .gradients import pgd_nearest_unsafe
-from .search import lipschitz_search
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.runner import Batch, Runner
+from pytest_dnnsafety.engines.quantification.certified import certified_radius
+from pytest_dnnsafety.data.checks import check_choice, check_count
+from pytest_dnnsafety.engines.quantification.common import BOUND_METHODS, _check_expression, _real, lp_norm
+from pytest_dnnsafety.engines.quantification.engine import WORST_COLUMNS, SafeRadiusEngine
+from pytest_dnnsafety.engines.quantification.gradients import pgd_nearest_unsafe
+from pytest_dnnsafety.engines.quantification.search import lipschitz_search
 
 __all__ = ["STATISTICS", "SafetyQuantification", "quantify_safety"]
 
@@ -309,7 +309,7 @@ def quantify_safety(
 ) -> SafetyQuantification:
     """:func:`lipschitz_search` (and :func:`certified_radius` with ``certified="crown"``/``"ibp"``) over ``data``.
 
-    ``data``: anything :func:`~pytest_dnnsafety.data.iter_batches` reads (labels are not used).
+    ``data``: anything :func:`~pytest_dnnsafety.data.forms.iter_batches` reads (labels are not used).
     Batches of ``batch_size`` inputs; each input's random draws are keyed by its index in the
     data, so the batch size does not change the numbers. ``device`` is used only for a model
     without parameters. The certificate's bounded model is built once; a model it does not
@@ -318,14 +318,14 @@ def quantify_safety(
     ``pgd_check``: run PGD on ``s`` (``iterations`` steps, ``starts`` restarts) inside each
     input's estimated radius and, when the certificate is gated, its certified radius.
 
-    The batches go through a :class:`~pytest_dnnsafety.engines.runner.Runner` (a ``DataLoader``
+    The batches go through a :class:`~pytest_dnnsafety.engines.core.runner.Runner` (a ``DataLoader``
     streams) into a :class:`.engine.SafeRadiusEngine`, which keeps each input's results (the
     quantile needs them all: a few scalars per input, never the inputs) and the ``worst`` inputs.
-    ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the data; the draws are
+    ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the data; the draws are
     keyed by the global input index, and the engine is all-reduced, so every rank gets the
     single-process result.
     """
-    from ..robustness.bounds import BoundedModel, UnsupportedLayerError
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
 
     if not _real(quantile) or not 0 <= quantile <= 1:
         raise ConfigError(f"quantile={quantile!r} is not in [0, 1]. Fix: 0 gates the minimum, 0.05 the 5% quantile.")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..base import Engine, topk
+from pytest_dnnsafety.engines.core.base import Engine, topk
 
 __all__ = ["SafeRadiusEngine", "PER_INPUT", "WORST_COLUMNS"]
 

@@ -36,9 +36,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ...outputs import ForwardGuard
-from ..robustness.attacks import log_probs
-from .common import _evaluate, _forward, _uniform, lp_norm, project_ball
+from pytest_dnnsafety.engines.core.guard import ForwardGuard
+from pytest_dnnsafety.engines.perturb.adversarial import log_probs
+from pytest_dnnsafety.engines.quantification.common import _evaluate, _forward, _uniform, lp_norm, project_ball
 
 __all__ = ["dual_norm", "steepest", "gradient_ascent", "pgd_nearest_unsafe"]
 

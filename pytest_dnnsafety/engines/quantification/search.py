@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
-from ...outputs import ForwardGuard
-from ..robustness.attacks import check_clip, detect_outputs, log_probs
-from ..checks import check_choice, check_count, check_positive
-from .common import (
+from pytest_dnnsafety.errors import ConfigError
+from pytest_dnnsafety.engines.core.guard import ForwardGuard
+from pytest_dnnsafety.engines.perturb.adversarial import check_clip, detect_outputs, log_probs
+from pytest_dnnsafety.data.checks import check_choice, check_count, check_positive
+from pytest_dnnsafety.engines.quantification.common import (
     _INCREASE, _NEAR, BOUND_METHODS, NORMS, SEARCHES, _applicable, _check_expression, _check_inputs,
     _check_label_range, _check_outputs, _classes, _evaluate, _forward, _gaussian, _real,
     _to_model, _uniform, lp_norm, project_ball,
 )
-from .gradients import gradient_ascent
+from pytest_dnnsafety.engines.quantification.gradients import gradient_ascent
 
 __all__ = ["LipschitzSearch", "lipschitz_search"]
 
@@ -309,7 +309,7 @@ def lipschitz_search(
         guard.check()
     cert, reason = None, None
     if certified is not None:
-        from .certified import certified_radius
+        from pytest_dnnsafety.engines.quantification.certified import certified_radius
 
         cert, reason = certified_radius(model, x, kind, d=d, label=label, eps=eps, clip=clip, method=certified,
                                         steps=bisection_steps, outputs=outputs)

@@ -26,7 +26,7 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
   centres and the labelled points may be ``DataLoader`` s
   (:mod:`~pytest_dnnsafety.engines.reliability.streamed`): read in passes (r̂ and the ball types
   by block nested loops), never held whole, with the numbers of the same data held.
-* **Op_i** — KDE masses (:class:`~pytest_dnnsafety.profile.OperationalProfile`): the paper's
+* **Op_i** — KDE masses (:class:`~pytest_dnnsafety.engines.reliability.profile.OperationalProfile`): the paper's
   centre approximation (eq. 9; ``mass="centre"``, also spelt ``"center"``) or the exact box
   integral, normalised over the box, with a bootstrap variance over ``B`` refits (eq. 11,
   Appendix A). ``bootstrap_size="full"`` (default) is the standard bootstrap, ``N`` of ``N``
@@ -83,7 +83,7 @@ The pmi of eq. (1) is assembled from cells of the input (or latent) space, eq. (
 * **Audit** — :meth:`ReliabilityResult.write_cells` writes the per-cell table (mass, variance,
   type, label, ``λ̂_i``, failures, samples, corners) as CSV or JSON lines; the ``max_pmi_ub``
   gate's ``cells_file=`` does it and names the file in the gate's details.
-* **Aggregation** (:mod:`pytest_dnnsafety.stats`): ``"normal"`` (eqs. 5–7, the paper's),
+* **Aggregation** (:mod:`pytest_dnnsafety.stats.intervals`): ``"normal"`` (eqs. 5–7, the paper's),
   ``"chernoff"`` (sound for any number of zero-failure cells; default), ``"clopper-pearson"``
   (sound, Bonferroni over cells) and ``"jeffreys"`` (Bayesian Monte Carlo).
 
@@ -96,7 +96,7 @@ calls are already large, cache-friendly batches and it is about 1.2–1.4× *fas
 on a CPU (the engine's per-sample bookkeeping: cell indices, histograms). Accelerators, where a
 per-cell call is dominated by launch latency, were not measured.
 
-The engine half follows :class:`~pytest_dnnsafety.engines.base.Engine`: :class:`CellTallyEngine`
+The engine half follows :class:`~pytest_dnnsafety.engines.core.base.Engine`: :class:`CellTallyEngine`
 holds one state — per-cell prediction histograms, reduce ``sum`` — so cells (or blocks of
 samples) can be split over pytest-xdist workers or ``torch.distributed`` ranks and merged;
 labels of empty cells and failure counts are derived from the merged histograms.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety import stats
+from pytest_dnnsafety.stats import intervals as stats
 from pytest_dnnsafety.engines.reliability.result import MethodBound
 
 

@@ -2,13 +2,13 @@
 
 Part of :mod:`pytest_dnnsafety.engines.reliability`. The paper (Zhao et al. 2021, eqs. 13–14)
 samples every cell ``n`` times. The default bound (``"chernoff"``,
-:func:`~pytest_dnnsafety.stats.chernoff_upper`) is driven by the largest weight
+:func:`~pytest_dnnsafety.stats.intervals.chernoff_upper`) is driven by the largest weight
 ``w* = max_i Op_i/n_i``: all failure mass may sit on the heaviest-weight cell, so one Chernoff
 bound over all cells gains nothing from sampling some cells more finely than the coarsest one —
 proportional allocation (equal weights) is already optimal for it, and saves only
 ``mean(Op)/max(Op)`` of the queries of a uniform allocation.
 
-What does gain is a **stratified** bound (:func:`~pytest_dnnsafety.stats.stratified_chernoff_upper`):
+What does gain is a **stratified** bound (:func:`~pytest_dnnsafety.stats.intervals.stratified_chernoff_upper`):
 
 1. *Pilot.* ``n₀`` samples in every sampled cell, from their own block-seed stream; then a label
    round: empty cells whose pilot samples disagree (the decision boundary crosses them) get
@@ -21,7 +21,7 @@ What does gain is a **stratified** bound (:func:`~pytest_dnnsafety.stats.stratif
    samples, ``a_i`` the cell's largest mass over the bootstrap replicates (so every replicate's
    weight ``Op_{b,i}/n_i`` is at most ``w_g`` — a tiny-mass cell cannot inflate ``w*``). The
    ``w_g`` minimise the bound predicted from the pilot, ``Σ_g w_g · μ_{α/G}(Ê_g/w_g)``
-   (:func:`~pytest_dnnsafety.stats.poisson_chernoff_mu`, ``Ê_g`` the pilot's failure mass of
+   (:func:`~pytest_dnnsafety.stats.intervals.poisson_chernoff_mu`, ``Ê_g`` the pilot's failure mass of
    the stratum, half a failure for the failure-free one), under the remaining query budget — or
    give the fewest queries whose predicted ``Ub − E`` is at most ``target_width``. Failure-free
    strata cost about ``w_g · ln(G/α)`` each, so they take few samples; the boundary stratum, small
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety import stats
+from pytest_dnnsafety.stats import intervals as stats
 from pytest_dnnsafety.errors import ConfigError
 
 #: Candidate weights per stratum in the search of :func:`plan_adaptive`.

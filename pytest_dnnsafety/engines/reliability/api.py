@@ -14,7 +14,7 @@ from torch import Tensor
 
 from pytest_dnnsafety.engines.reliability.assessment import ReliabilityAssessor
 from pytest_dnnsafety.engines.reliability.result import ReliabilityResult
-from pytest_dnnsafety.profile import OperationalProfile
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 
 def assess_reliability(
@@ -31,7 +31,7 @@ def assess_reliability(
     Args:
         model: a torch module or any callable mapping inputs ``(B, *input_shape)`` (on ``device``,
             ``input_dtype``) to logits or probabilities ``(B, K)`` or integer labels ``(B,)``.
-        profile: an :class:`~pytest_dnnsafety.profile.OperationalProfile`, or raw operational
+        profile: an :class:`~pytest_dnnsafety.engines.reliability.profile.OperationalProfile`, or raw operational
             data ``(N, d)`` to build one from (with ``bandwidth``).
         labelled: ``(x, y)`` labelled inputs (input space; encoded when the profile is latent):
             they give ``r̂`` and the labels of normal/cross-boundary cells. With ``cells="balls"``
@@ -56,7 +56,7 @@ def assess_reliability(
             without), one weight ``w_g`` per stratum chosen to minimise the bound the pilot predicts,
             ``n_i = ⌈max_b Op_{b,i} / w_g⌉`` fresh samples per cell from an independent seed stream,
             and for ``method="chernoff"`` the stratified bound
-            (:func:`~pytest_dnnsafety.stats.stratified_chernoff_upper`: each stratum at ``α_λ/G``,
+            (:func:`~pytest_dnnsafety.stats.intervals.stratified_chernoff_upper`: each stratum at ``α_λ/G``,
             summed) — sound for every failure-rate vector because the plan depends on the pilot
             only. Empty cells take the pilot's vote as their label. The result reports
             ``queries_pilot``, ``queries_final`` and the plan (``allocation_plan``). Every rank
@@ -99,7 +99,7 @@ def assess_reliability(
         failures: ``[(true, predicted), …]`` critical confusions; default any misclassification.
         method: ``"chernoff"`` (sound; default), ``"normal"`` (the paper's eq. 7),
             ``"clopper-pearson"`` (sound, Bonferroni) or ``"jeffreys"`` (Bayesian); see
-            :mod:`pytest_dnnsafety.stats`. ``compare_methods`` adds others to ``alternatives``.
+            :mod:`pytest_dnnsafety.stats.intervals`. ``compare_methods`` adds others to ``alternatives``.
         confidence: ``1 − α`` of the bound, strictly between 0 and 1 (the paper: 0.975).
         alpha_op_share: the share of ``α`` the sound methods spend on OP uncertainty (bootstrap).
         posterior_draws: Monte Carlo draws for ``"jeffreys"``.
@@ -171,7 +171,7 @@ def assess_reliability(
         labelled_from_profile: whether the labelled points are a sample of the operational profile
             (default ``True``). Then the model's error on them, ``k`` of ``n``, has an exact
             Clopper–Pearson lower bound at ``confidence``
-            (:func:`~pytest_dnnsafety.stats.labelled_error_check`); above ``Ub`` the labelled data
+            (:func:`~pytest_dnnsafety.stats.intervals.labelled_error_check`); above ``Ub`` the labelled data
             refute the bound and the result lists a *contradiction* (check (a)). ``False`` (e.g.
             a curated test set with another class or condition mix) skips check (a) but records
             its figures in ``labelled_check``. Check (b) always runs when empty cells take the
@@ -185,7 +185,7 @@ def assess_reliability(
             inconclusive.
 
     Every model query (Monte Carlo samples, the labelled points) goes through a
-    :class:`~pytest_dnnsafety.outputs.ForwardGuard`: NaN/inf outputs raise a :class:`MetricError`
+    :class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard`: NaN/inf outputs raise a :class:`MetricError`
     naming the first bad batch after the loop (no host sync per batch).
 
     Raises:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety import stats
-from pytest_dnnsafety.engines.checks import check_count
+from pytest_dnnsafety.stats import intervals as stats
+from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.reliability.aggregation import BoundAggregator
 from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES
 from pytest_dnnsafety.engines.reliability.cells import (
@@ -50,7 +50,7 @@ from pytest_dnnsafety.engines.reliability.sampler import MonteCarloSampler
 from pytest_dnnsafety.engines.reliability.streamed import StreamedBalls
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
-from pytest_dnnsafety.profile import BOOTSTRAP_SIZES, OperationalProfile, canonical_mass
+from pytest_dnnsafety.engines.reliability.profile import BOOTSTRAP_SIZES, OperationalProfile, canonical_mass
 
 #: How empty cells (no labelled point inside) get their label (``empty_cell_label=``): the model's
 #: majority vote on the cell's samples (the paper's Assumption 5) or the label of the nearest

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, DataError
-from pytest_dnnsafety.profile import as_tensor_2d
+from pytest_dnnsafety.engines.reliability.profile import as_tensor_2d
 
 #: Cell type codes (index into :data:`CELL_TYPES`).
 NORMAL, EMPTY, CROSS = 0, 1, 2

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, MetricError
-from pytest_dnnsafety.outputs import ForwardGuard
+from pytest_dnnsafety.engines.core.guard import ForwardGuard
 
 
 class _CheckedModel(torch.nn.Module):
@@ -112,7 +112,7 @@ class _ModelAdapter:
 
     Accepted outputs: logits or probabilities ``(B, K)`` with ``K ≥ 2`` (arg-max), or integer
     labels ``(B,)``. Anything else is a :class:`MetricError` naming the shape. Every call goes
-    through a :class:`~pytest_dnnsafety.outputs.ForwardGuard`: an exception in the model becomes
+    through a :class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard`: an exception in the model becomes
     a :class:`MetricError` naming the batch, and NaN/inf outputs are tracked on the device (no
     host sync per batch); :meth:`check` raises after the loop, naming the first bad batch — a
     model whose logits are NaN would otherwise "predict" class 0 everywhere.

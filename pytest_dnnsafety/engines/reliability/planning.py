@@ -34,7 +34,7 @@ from pytest_dnnsafety.engines.reliability.cells import (
 from pytest_dnnsafety.engines.reliability.sampler import ball_rows
 from pytest_dnnsafety.engines.reliability.streamed import is_streamed
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
-from pytest_dnnsafety.profile import OperationalProfile, as_tensor_2d
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile, as_tensor_2d
 
 #: Largest bootstrap matrix ``B × C`` (replicates × evaluated cells) held in memory (float64: 256 MiB);
 #: beyond it the replicate masses are streamed over cells: per-cell variances, the per-replicate

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety import progress
+from pytest_dnnsafety.runtime import progress
 from pytest_dnnsafety.engines.reliability.allocation import check_query_cap, plan_adaptive
-from pytest_dnnsafety.engines.checks import check_count
+from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.reliability.cells import CROSS
 from pytest_dnnsafety.engines.reliability.model import _check_label_bounds, _check_label_range, _ModelAdapter
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine

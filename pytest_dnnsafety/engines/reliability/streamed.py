@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.data import _split_batch, check_loader_order
+from pytest_dnnsafety.data.forms import _split_batch, check_loader_order
 from pytest_dnnsafety.engines.reliability.cells import EMPTY, _ball_distances, ball_types
 from pytest_dnnsafety.errors import ConfigError, DataError
-from pytest_dnnsafety.profile import OperationalProfile
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 #: The most input values held at once in a block of the nested passes (256 MiB of float32).
 STREAM_ELEMS = 1 << 26

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.base import Engine
+from pytest_dnnsafety.engines.core.base import Engine
 from pytest_dnnsafety.errors import ConfigError
 
 

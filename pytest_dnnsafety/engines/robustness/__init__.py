@@ -13,11 +13,11 @@ Pure torch, no pytest import.
 
 from __future__ import annotations
 
-from .attacks import detect_outputs, fgsm, input_gradient, log_probs, pgd
-from .bounds import BoundedModel, UnsupportedLayerError, input_box
-from .confidence import AdversarialConfidenceEngine, AdversarialConfidenceResult, assess_adversarial_confidence
-from .perturbations import FAMILIES, Family, family_name, make_family
-from .verification import VerificationEngine, VerificationResult, verify_robustness
+from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs, fgsm, input_gradient, log_probs, pgd
+from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError, input_box
+from pytest_dnnsafety.engines.robustness.confidence import AdversarialConfidenceEngine, AdversarialConfidenceResult, assess_adversarial_confidence
+from pytest_dnnsafety.engines.robustness.perturbations import FAMILIES, Family, family_name, make_family
+from pytest_dnnsafety.engines.robustness.verification import VerificationEngine, VerificationResult, verify_robustness
 
 __all__ = [
     "fgsm", "pgd", "input_gradient", "log_probs", "detect_outputs",

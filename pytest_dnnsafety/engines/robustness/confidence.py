@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, DataError, DnnSafetyError, MetricError
-from ...outputs import ForwardGuard, eval_mode, model_dtype_device
-from ..base import Engine, topk
-from ..checks import check_count
-from ..runner import Runner
-from .attacks import OUTPUTS, check_clip, detect_outputs, log_probs
-from .perturbations import family_name
+from pytest_dnnsafety.errors import ConfigError, DataError, DnnSafetyError, MetricError
+from pytest_dnnsafety.engines.core.guard import ForwardGuard, eval_mode, model_dtype_device
+from pytest_dnnsafety.engines.core.base import Engine, topk
+from pytest_dnnsafety.data.checks import check_count
+from pytest_dnnsafety.engines.core.runner import Runner
+from pytest_dnnsafety.engines.perturb.adversarial import OUTPUTS, check_clip, detect_outputs, log_probs
+from pytest_dnnsafety.engines.robustness.perturbations import family_name
 
 __all__ = ["AdversarialConfidenceEngine", "AdversarialConfidenceResult", "assess_adversarial_confidence"]
 
@@ -319,7 +319,7 @@ def assess_adversarial_confidence(
 ) -> AdversarialConfidenceResult:
     """M_adv (eq. (4)) of ``model`` on labelled ``data`` under ``families`` (name → ``f(model, x, y, eps, gen)``).
 
-    Measured through a :class:`~pytest_dnnsafety.engines.runner.Runner`: batches go to the model's
+    Measured through a :class:`~pytest_dnnsafety.engines.core.runner.Runner`: batches go to the model's
     device (``device`` for a model without parameters); the model runs in eval mode (its mode is
     restored afterwards). Per batch: one clean forward, then per family a generator seeded from
     ``(seed, family index, global batch index)``, the family's output (same shape as ``x``, finite,
@@ -327,7 +327,7 @@ def assess_adversarial_confidence(
     :class:`ForwardGuard`. ``outputs="auto"`` detects logits vs probabilities on the first batch.
     No host synchronisation per batch: the families' finiteness, the guards, the data's range and
     the labels' range are checked once after the loop. ``shard``: this torchrun rank's
-    :class:`~pytest_dnnsafety.ranks.Shard` of the batches (None: all of them); the ranks' states
+    :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the batches (None: all of them); the ranks' states
     are all-reduced, so every rank gets the single-process result.
     """
     names, fams = checked_families(families)

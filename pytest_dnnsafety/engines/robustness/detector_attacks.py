@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import MetricError
-from ...outputs import ForwardGuard
-from ...tasks import BoxSet
-from ...tasks import matched_scores
-from ..perturb.adversarial import _direction, _not_differentiable, _per_input, _project, _random_start
+from pytest_dnnsafety.errors import MetricError
+from pytest_dnnsafety.engines.core.guard import ForwardGuard
+from pytest_dnnsafety.data.tasks import BoxSet
+from pytest_dnnsafety.data.tasks import matched_scores
+from pytest_dnnsafety.engines.perturb.adversarial import _direction, _not_differentiable, _per_input, _project, _random_start
 
 __all__ = ["detector_fgsm", "detector_pgd", "matched_loss_and_grad"]
 

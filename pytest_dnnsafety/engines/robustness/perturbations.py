@@ -37,7 +37,7 @@ deterministic given the generator: each candidate is one transform of the pertur
 library :mod:`..perturb` (shared with the monitor fault families), called with the family's ``clip``.
 
 **Detectors.** Given a detector and its packed ground-truth boxes as ``y`` (a
-:class:`~pytest_dnnsafety.tasks.BoxSet`), the natural families perturb the same way and "the worse of k
+:class:`~pytest_dnnsafety.data.tasks.BoxSet`), the natural families perturb the same way and "the worse of k
 candidates" is, per image, the candidate with the lowest sum of its objects' matched scores (the best
 same-class detection with IoU ≥ 0.5, Cheng et al. 2018 §II-F step 2). The gradient families (fgsm, pgd)
 then climb ``−Σ`` matched scores of each image's objects instead of the cross-entropy
@@ -59,13 +59,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, MetricError
-from ...outputs import ForwardGuard
-from ...tasks import BoxSet
-from ..perturb import blur, brightness, contrast, gaussian_noise, occlude, rotate, translate
-from ..perturb.adversarial import OUTPUTS, _check_outputs, detect_outputs, fgsm, log_probs, pgd
-from ..perturb.common import as_images, check_clip, fill_value
-from ..perturb.common import is_real as _is_real
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.guard import ForwardGuard
+from pytest_dnnsafety.data.tasks import BoxSet
+from pytest_dnnsafety.engines.perturb import blur, brightness, contrast, gaussian_noise, occlude, rotate, translate
+from pytest_dnnsafety.engines.perturb.adversarial import OUTPUTS, _check_outputs, detect_outputs, fgsm, log_probs, pgd
+from pytest_dnnsafety.engines.perturb.common import as_images, check_clip, fill_value
+from pytest_dnnsafety.engines.perturb.common import is_real as _is_real
 
 __all__ = [
     "FAMILIES",
@@ -100,7 +100,7 @@ def worst_of(
     model: Any, y: Any, candidates: list[Tensor], outputs: str, guard: ForwardGuard
 ) -> Tensor:
     """Per input, the candidate with the lowest true-class log-probability (one forward of all k·N); for a
-    detector (``y`` a :class:`~pytest_dnnsafety.tasks.BoxSet`) the lowest sum of its objects' matched scores."""
+    detector (``y`` a :class:`~pytest_dnnsafety.data.tasks.BoxSet`) the lowest sum of its objects' matched scores."""
     if len(candidates) == 1:
         return candidates[0]
     k, n = len(candidates), candidates[0].shape[0]
@@ -108,8 +108,8 @@ def worst_of(
     with torch.no_grad():
         out = guard(model, stacked)
     if isinstance(y, BoxSet):
-        from ..detector_scores import repeat_targets
-        from ...tasks import matched_scores
+        from pytest_dnnsafety.engines.core.detections import repeat_targets
+        from pytest_dnnsafety.data.tasks import matched_scores
 
         copies, obj = repeat_targets(y, torch.arange(n, device=y.device).repeat(k))
         per_object = matched_scores(out, copies)
@@ -328,7 +328,7 @@ class FGSM(Family):
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         if isinstance(y, BoxSet):  # a detector: down its objects' matched scores
-            from .detector_attacks import detector_fgsm
+            from pytest_dnnsafety.engines.robustness.detector_attacks import detector_fgsm
 
             return detector_fgsm(model, x, y, eps, norm=self.norm, clip=self.clip, guard=guard)
         return fgsm(model, x, y, eps, generator, norm=self.norm, clip=self.clip, outputs=outputs, guard=guard)
@@ -368,7 +368,7 @@ class PGD(Family):
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         if isinstance(y, BoxSet):  # a detector: down its objects' matched scores (loss='ce'/'margin' do not apply)
-            from .detector_attacks import detector_pgd
+            from pytest_dnnsafety.engines.robustness.detector_attacks import detector_pgd
 
             return detector_pgd(model, x, y, eps, generator, norm=self.norm, steps=self.steps,
                                 step_size=self.step_size, random_start=self.random_start, clip=self.clip, guard=guard)

@@ -4,7 +4,7 @@ For every labelled input ``x`` the runner :func:`verify_robustness` gives one of
 
 * **verified** — sound bounds prove ``z_y(x') − z_j(x') > 0`` for every ``j ≠ y`` and every
   ``x'`` in the ball ``{‖x' − x‖∞ ≤ ε} ∩ clip``: no input of the ball is misclassified. The
-  bounds come from :class:`~pytest_dnnsafety.engines.robustness.bounds.BoundedModel`: interval
+  bounds come from :class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel`: interval
   bound propagation (Gowal et al. 2018) or CROWN (Zhang et al. 2018) on the margins;
 * **falsified** — a counterexample exists: ``x`` itself is misclassified, or a PGD attack
   (Madry et al. 2018) on the margin loss found an ``x'`` in the ball whose prediction is not
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, DataError, MetricError
-from ...outputs import model_dtype_device
-from ..base import Engine, topk
-from ..checks import check_count, check_positive
-from ..runner import Runner
-from .attacks import check_clip
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.engines.core.guard import model_dtype_device
+from pytest_dnnsafety.engines.core.base import Engine, topk
+from pytest_dnnsafety.data.checks import check_count, check_positive
+from pytest_dnnsafety.engines.core.runner import Runner
+from pytest_dnnsafety.engines.perturb.adversarial import check_clip
 
 __all__ = ["UNKNOWN", "VERIFIED", "FALSIFIED", "METHODS", "VerificationEngine", "VerificationResult",
            "verify_robustness"]
@@ -248,14 +248,14 @@ def verify_robustness(
 ) -> VerificationResult:
     """Verify L∞ robustness at ``eps`` of every labelled input of ``data`` (see the module docstring).
 
-    Measured through a :class:`~pytest_dnnsafety.engines.runner.Runner` (labels required). Per
-    batch: a clean forward pass through a :class:`~pytest_dnnsafety.outputs.ForwardGuard` (a
+    Measured through a :class:`~pytest_dnnsafety.engines.core.runner.Runner` (labels required). Per
+    batch: a clean forward pass through a :class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard` (a
     misclassified input is falsified, itself the counterexample); certified margin lower bounds
     over ``[x − ε, x + ε] ∩ clip`` by ``method``; the inputs left undecided are attacked with PGD
     on the margin loss (``attack_steps`` steps, random start seeded with ``seed + global batch
     index``), and an attack point predicted as another class (checked by a forward pass)
     falsifies its input. ``device`` is used only for a model without parameters (the model's own
-    device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.ranks.Shard` of the
+    device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the
     batches (None: all of them); the ranks' states are all-reduced, so every rank gets the
     single-process result. ``max_memory``: the bounds' working-memory budget in bytes (int or text
     such as ``"2GiB"``; None: 1 GiB), see :class:`~.bounds.BoundedModel` (chunks never change a bound).
@@ -263,7 +263,7 @@ def verify_robustness(
     Host synchronisation: on an accelerator each batch synchronises once to select the undecided
     inputs (their count sizes the PGD batch, which spares the attack on every verified or
     misclassified input), and with ``method="crown"`` CROWN reads its counts of unstable neurons
-    a few times (see :data:`~pytest_dnnsafety.engines.robustness.bounds_crown.HOST_SIZING`; with
+    a few times (see :data:`~pytest_dnnsafety.engines.bounds.crown.HOST_SIZING`; with
     it ``False``, or with ``"ibp"``, the selection is the only one). Every check (finite inputs,
     inputs inside ``clip``, labels in range, sound bounds) is kept on the device and read once
     after the loop, on every device alike (so the CPU and an accelerator raise the same error).
@@ -271,11 +271,11 @@ def verify_robustness(
     Raises :class:`ConfigError` for a bad ``eps`` (≤ 0, NaN, inf), ``method``, ``clip``,
     ``batch_size``, ``seed`` or ``attack_steps``; :class:`DataError` for unlabelled or empty data,
     NaN/inf inputs, labels out of range, inputs outside ``clip``;
-    :class:`~pytest_dnnsafety.engines.robustness.bounds.UnsupportedLayerError` for a model the
+    :class:`~pytest_dnnsafety.engines.bounds.model.UnsupportedLayerError` for a model the
     bounds cannot handle; :class:`MetricError` when the model fails or returns NaN/inf.
     """
-    from .bounds import BoundedModel, input_box, outside_clip, outside_clip_error
-    from .bounds_export import export_mismatch
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box, outside_clip, outside_clip_error
+    from pytest_dnnsafety.engines.bounds.export import export_mismatch
 
     eps = _check_eps(eps)
     method = _check_method(method)
@@ -339,7 +339,7 @@ def verify_robustness(
         # which spares PGD on every verified or already misclassified input.
         todo = torch.nonzero(~verified & ~wrong).squeeze(1)  # the one host sync of the batch
         if attack_steps > 0 and todo.numel():
-            from .attacks import pgd
+            from pytest_dnnsafety.engines.perturb.adversarial import pgd
 
             gen = torch.Generator().manual_seed(seed + batch.index)
             xa = pgd(model, x[todo], y[todo], eps, gen, norm="linf", steps=attack_steps, clip=clip, loss="margin",

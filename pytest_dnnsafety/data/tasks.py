@@ -1,0 +1,429 @@
+"""What a model does: the task notion, detection boxes, and the checks each task's data and outputs get.
+
+Three tasks (``dnnsafety_task``, marker keyword ``task=``; ``auto`` infers it from the data):
+
+* ``single-label`` — one class per input: outputs ``(batch, classes)`` logits or probabilities,
+  labels ``(N,)`` class indices (what every gate has always read);
+* ``multi-label`` — any set of classes per input: outputs ``(batch, classes)``, one logit or
+  probability per class (a class is predicted when its probability reaches a threshold), labels a
+  ``(N, classes)`` 0/1 matrix;
+* ``detection`` — boxes per image: the model returns, per image, a dict with ``boxes`` ``(n, 4)``
+  (``x1, y1, x2, y2`` in pixels), ``scores`` ``(n,)`` and ``labels`` ``(n,)`` (torchvision's
+  detection output format); targets are the same dicts without scores.
+
+Inside the plugin a batch's boxes travel *packed* as one :class:`BoxSet` — every box of the batch
+in one tensor with the index of its image — so engines work with matrix operations instead of
+Python lists of dicts. :class:`DetectionData` holds a detection data set (images plus packed
+targets, the ``.npz`` layout with ragged arrays as offsets) and :func:`detection_collate` is the
+``collate_fn`` for a user's ``DataLoader`` of ``(image, target)`` pairs.
+
+Each gate declares the tasks it supports (``GateDef.tasks``); a gate given data of another task is
+an error naming the task and the fix (:func:`unsupported`), never a pass. Pure torch; no pytest import.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pytest_dnnsafety.settings import TASK_NAMES
+from pytest_dnnsafety.errors import DataError, MetricError
+
+__all__ = [
+    "TASKS", "SINGLE", "MULTI", "DETECTION", "BoxSet", "DetectionData", "detection_collate", "infer_task",
+    "as_boxset", "detections_from_output", "is_detection_output", "check_multilabel", "unsupported",
+    "box_iou", "paired_iou", "matched_scores", "bad_boxes", "group_starts"]
+
+#: Every task a gate may declare, in the order the docs list them.
+TASKS = TASK_NAMES
+SINGLE, MULTI, DETECTION = TASKS
+
+_WHAT = {
+    SINGLE: "a single-label classifier (outputs (batch, classes), labels (N,) class indices)",
+    MULTI: "a multi-label classifier (outputs (batch, classes), labels a (N, classes) 0/1 matrix)",
+    DETECTION: "an object detector (outputs per image: a dict of boxes, scores and labels)",
+}
+
+
+def unsupported(marker: str, task: str, supported: Sequence[str], source: str) -> DataError:
+    """The error for a gate given a task it does not support: names the task, where it came from, and the fix."""
+    gates = ", ".join(supported)
+    fix = {
+        DETECTION: "for a detector use min_detection_map, min_detection_recall, the occlusion, adversarial confidence, "
+                   "monitor, neuron and scene coverage gates (they accept task='detection')",
+        MULTI: "for a multi-label classifier use max_class_confusion, max_class_bias, min_scenario_accuracy / "
+               "max_scenario_degradation (score='accuracy', 'precision', 'recall', 'f1'; average='micro'|'macro'), "
+               "neuron and scene coverage gates",
+        SINGLE: "for a single-label classifier use the classifier gates",
+    }[task]
+    return DataError(
+        f"{marker} supports {gates} models, but this model is {_WHAT[task]} (task {task!r} {source}). "
+        f"Fix: {fix}; if the task was inferred wrongly, set dnnsafety_task or the marker keyword task='...'.")
+
+
+# ------------------------------------------------------------------------------------- boxes
+
+
+@dataclass(frozen=True)
+class BoxSet:
+    """The boxes of ``n_images`` images, packed: row ``j`` is box ``boxes[j]`` of image ``image[j]``.
+
+    ``boxes``: ``(M, 4)`` floating ``x1, y1, x2, y2``; ``labels``: ``(M,)`` int64 classes;
+    ``image``: ``(M,)`` int64 image index in ``0 .. n_images - 1``, non-decreasing; ``scores``:
+    ``(M,)`` confidence of a detection, ``None`` for ground truth.
+    """
+
+    boxes: Tensor
+    labels: Tensor
+    image: Tensor
+    n_images: int
+    scores: Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.boxes.device
+
+    def __len__(self) -> int:
+        return int(self.boxes.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "BoxSet":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return BoxSet(move(self.boxes), move(self.labels), move(self.image), self.n_images, move(self.scores))
+
+    def counts(self) -> Tensor:
+        """Boxes per image, ``(n_images,)`` int64."""
+        return torch.bincount(self.image, minlength=self.n_images)[: self.n_images]
+
+    def offsets(self) -> Tensor:
+        """``(n_images + 1,)`` offsets: image ``i``'s boxes are rows ``offsets[i]:offsets[i + 1]`` (on the host)."""
+        counts = self.counts().cpu()
+        return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+    def images(self, start: int, stop: int) -> "BoxSet":
+        """The boxes of images ``start .. stop - 1`` (renumbered from 0); needs non-decreasing ``image``."""
+        lo, hi = torch.searchsorted(self.image.cpu(), torch.tensor([start, stop])).tolist()
+        pick = slice(lo, hi)
+        return BoxSet(self.boxes[pick], self.labels[pick], self.image[pick] - start, stop - start,
+                      None if self.scores is None else self.scores[pick])
+
+    def select(self, keep: Tensor) -> "BoxSet":
+        """The rows where the boolean ``keep`` is true (images unchanged)."""
+        return BoxSet(self.boxes[keep], self.labels[keep], self.image[keep], self.n_images,
+                      None if self.scores is None else self.scores[keep])
+
+    def to_dicts(self) -> list[dict[str, Tensor]]:
+        """torchvision's format: one dict per image (``scores`` only for detections)."""
+        bounds = self.offsets().tolist()
+        out = []
+        for i in range(self.n_images):
+            rows = slice(bounds[i], bounds[i + 1])
+            item = {"boxes": self.boxes[rows], "labels": self.labels[rows]}
+            if self.scores is not None:
+                item["scores"] = self.scores[rows]
+            out.append(item)
+        return out
+
+    @staticmethod
+    def cat(parts: Sequence["BoxSet"]) -> "BoxSet":
+        """The images of ``parts`` one after the other (image indices shifted)."""
+        shift, images = 0, []
+        for part in parts:
+            images.append(part.image + shift)
+            shift += part.n_images
+        scores = [p.scores for p in parts]
+        return BoxSet(torch.cat([p.boxes for p in parts]) if parts else torch.zeros(0, 4),
+                      torch.cat([p.labels for p in parts]) if parts else torch.zeros(0, dtype=torch.int64),
+                      torch.cat(images) if parts else torch.zeros(0, dtype=torch.int64), shift,
+                      torch.cat(scores) if parts and all(s is not None for s in scores) else None)
+
+
+def _dict_part(item: Any, key: str, what: str, index: int) -> Tensor:
+    if not isinstance(item, Mapping) or key not in item:
+        found = sorted(item) if isinstance(item, Mapping) else type(item).__name__
+        raise DataError(f"{what}: image {index} has no {key!r} (found {found}). Fix: give one dict per image with "
+                        "'boxes' (n, 4) x1, y1, x2, y2 and 'labels' (n,) (detections also 'scores' (n,)).")
+    return torch.as_tensor(item[key])
+
+
+def as_boxset(value: Any, n: int, what: str, *, scores: bool = False, error: type = DataError) -> BoxSet:
+    """``value`` (a :class:`BoxSet` or a list of one dict per image) as a checked :class:`BoxSet` of ``n`` images.
+
+    Shapes are checked here (host metadata, no sync); the values' finiteness and ``x2 >= x1``,
+    ``y2 >= y1`` are for the caller to flag on the device (:func:`bad_boxes`).
+    """
+    if isinstance(value, BoxSet):
+        if value.n_images != n:
+            raise error(f"{what}: {value.n_images} images of boxes for {n} inputs. Fix: give one entry per image.")
+        if scores and value.scores is None:
+            raise error(f"{what}: the boxes have no scores. Fix: give detections with 'scores'.")
+        return value
+    if isinstance(value, Mapping) or not isinstance(value, (list, tuple)):
+        raise error(f"{what}: expected one dict of boxes per image (a list of {n}), got {type(value).__name__}. "
+                    "Fix: return/give a list of dicts with 'boxes' (n, 4), 'labels' (n,)"
+                    + (" and 'scores' (n,)" if scores else "") + " per image (torchvision's format).")
+    if len(value) != n:
+        raise error(f"{what}: {len(value)} dicts of boxes for {n} images. Fix: give exactly one dict per image "
+                    "(an empty one, boxes of shape (0, 4), for an image without objects).")
+    keys = ("boxes", "labels", "scores") if scores else ("boxes", "labels")
+    parts: dict[str, list[Tensor]] = {key: [] for key in keys}
+    for i, item in enumerate(value):
+        for key in keys:
+            parts[key].append(_dict_part(item, key, what, i))
+        boxes, labels = parts["boxes"][-1], parts["labels"][-1]
+        if boxes.numel() == 0:
+            parts["boxes"][-1] = boxes = boxes.reshape(0, 4)
+        if boxes.ndim != 2 or boxes.shape[1] != 4:
+            raise error(f"{what}: image {i}'s boxes have shape {tuple(boxes.shape)}; expected (n, 4) x1, y1, x2, y2.")
+        for key in keys[1:]:
+            if parts[key][-1].reshape(-1).shape[0] != boxes.shape[0]:
+                raise error(f"{what}: image {i} has {boxes.shape[0]} boxes but {key} of shape "
+                            f"{tuple(parts[key][-1].shape)}. Fix: one {key[:-1]} per box.")
+        if labels.is_floating_point() and labels.numel():
+            raise error(f"{what}: image {i}'s labels are {labels.dtype}; class indices must be integers.")
+    device = parts["boxes"][0].device if parts["boxes"] else torch.device("cpu")
+    counts = torch.tensor([b.shape[0] for b in parts["boxes"]], dtype=torch.int64, device=device)
+    image = torch.repeat_interleave(torch.arange(n, device=device), counts)
+    boxes = torch.cat(parts["boxes"]).to(device) if n else torch.zeros(0, 4)
+    labels = torch.cat([t.reshape(-1) for t in parts["labels"]]).to(device).long() if n else torch.zeros(0).long()
+    score = torch.cat([t.reshape(-1) for t in parts["scores"]]).to(device) if scores and n else None
+    return BoxSet(boxes if boxes.is_floating_point() else boxes.float(), labels, image, n, score)
+
+
+def bad_boxes(boxes: BoxSet, num_classes: int | None = None) -> Tensor:
+    """A device tensor: true where a box (or score) is not finite, inverted, or its label is out of range."""
+    bad = ~torch.isfinite(boxes.boxes).all(dim=1)
+    bad |= (boxes.boxes[:, 2] < boxes.boxes[:, 0]) | (boxes.boxes[:, 3] < boxes.boxes[:, 1])
+    if boxes.scores is not None:
+        bad |= ~torch.isfinite(boxes.scores)
+    bad |= boxes.labels < 0
+    if num_classes is not None:
+        bad |= boxes.labels >= num_classes
+    return bad
+
+
+def is_detection_output(out: Any) -> bool:
+    """True for a detector's output: a list/tuple of dicts (torchvision) or a :class:`BoxSet`."""
+    if isinstance(out, BoxSet):
+        return True
+    return isinstance(out, (list, tuple)) and (not out or isinstance(out[0], Mapping))
+
+
+def detections_from_output(out: Any, n: int, what: str) -> BoxSet:
+    """A detector's output for ``n`` images as a :class:`BoxSet` with scores (shapes checked; errors are MetricError)."""
+    if not is_detection_output(out):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise MetricError(
+            f"{what}: the model returned {shape}, not detections; the task is 'detection'. Fix: return one dict "
+            "per image with 'boxes' (n, 4), 'scores' (n,) and 'labels' (n,) (torchvision's format), or set "
+            "dnnsafety_task / the marker keyword task= to the model's task.")
+    return as_boxset(out, n, what, scores=True, error=MetricError)
+
+
+def paired_iou(a: Tensor, b: Tensor) -> Tensor:
+    """Jaccard index (IoU) of ``a[..., :]`` with ``b[..., :]``, boxes ``x1, y1, x2, y2`` broadcast against each
+    other over the leading dimensions, in float64 (as COCO evaluates it). The one IoU kernel of the plugin:
+    :func:`box_iou` (every pair of two lists), per-image pairings and per-cell matrices all call it, so they
+    give the same bits for the same two boxes. Areas are ``(x2 - x1)·(y2 - y1)`` (no +1 pixel convention);
+    two empty boxes have IoU 0.
+    """
+    a, b = a.double(), b.double()
+    area_a = (a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0)
+    area_b = (b[..., 2] - b[..., 0]).clamp_min(0) * (b[..., 3] - b[..., 1]).clamp_min(0)
+    lt = torch.maximum(a[..., :2], b[..., :2])
+    rb = torch.minimum(a[..., 2:], b[..., 2:])
+    inter = (rb - lt).clamp_min(0).prod(dim=-1)
+    union = area_a + area_b - inter
+    return torch.where(union > 0, inter / union.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(inter))
+
+
+def box_iou(a: Tensor, b: Tensor) -> Tensor:
+    """``(len(a), len(b))`` IoU of every box of ``a`` with every box of ``b`` (:func:`paired_iou`)."""
+    return paired_iou(a[:, None, :], b[None, :, :])
+
+
+def group_starts(counts: Tensor) -> Tensor:
+    """Exclusive cumulative sum of ``counts``: the first row of each group of packed rows (on their device)."""
+    return torch.cumsum(counts, 0) - counts
+
+
+def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Tensor:
+    """Per ground-truth object: the highest score of a detection *of its class* in *its image* whose IoU with
+    it is at least ``iou``, else 0 — the detector's "probability of the correct class" of Cheng et al. 2018,
+    §II-F step 2 ("the maximum probability of the correct class over all detected boxes that have a significant
+    Jaccard similarity with the ground truth bounding box").
+
+    ``(len(targets),)`` float32 on the targets' device, differentiable in the detections' scores (the pairing
+    itself is a selection). Each detection is paired only with the objects of its own image (``Σ_i D_i·M_i``
+    pairs, not a ``D × M`` matrix), so a chunk of thousands of occluded or perturbed copies costs memory linear
+    in its boxes. Laying the pairs out reads their number to the host once per call (``repeat_interleave``):
+    detections are ragged, so their pairing cannot be sized without it.
+    """
+    if detections.scores is None:
+        raise ValueError("matched_scores needs detections with scores")
+    device = targets.device
+    m = len(targets)
+    if m == 0 or len(detections) == 0:
+        return torch.zeros(m, device=device)
+    dets = detections.to(device)
+    n = max(dets.n_images, targets.n_images)
+    t_counts = torch.bincount(targets.image, minlength=n)[:n]
+    t_starts = group_starts(t_counts)
+    per_det = t_counts[dets.image]  # pair j: detection d with the objects of its image, one after the other
+    det_of = torch.repeat_interleave(torch.arange(len(dets), device=device), per_det)
+    within = torch.arange(det_of.shape[0], device=device) - group_starts(per_det)[det_of]
+    obj_of = t_starts[dets.image[det_of]] + within
+    overlap = paired_iou(dets.boxes[det_of], targets.boxes[obj_of])
+    ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])
+    score = torch.where(ok, dets.scores[det_of].float(), torch.zeros((), device=device))
+    out = torch.zeros(m, device=device, dtype=score.dtype)
+    return out.scatter_reduce(0, obj_of, score, reduce="amax", include_self=True)
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+class DetectionData(torch.utils.data.Dataset):
+    """A detection data set: images ``x`` ``(N, C, H, W)`` and their packed ground-truth :class:`BoxSet`.
+
+    Item ``i`` is ``(x[i], {"boxes": (n, 4), "labels": (n,)})`` as torchvision's detection data sets
+    give it; the plugin slices whole batches (:meth:`batch`) without building those dicts. Built by
+    :meth:`from_offsets` from the ``.npz`` layout (``x``, ``boxes``, ``labels``, ``offsets``).
+    """
+
+    task = DETECTION
+
+    def __init__(self, x: Tensor, targets: BoxSet) -> None:
+        if targets.n_images != int(x.shape[0]):
+            raise DataError(f"detection data: {x.shape[0]} images but targets for {targets.n_images}. Fix: give "
+                            "one target entry per image.")
+        self.x = x
+        self.targets = targets
+
+    @classmethod
+    def from_offsets(cls, x: Any, boxes: Any, labels: Any, offsets: Any, what: str = "detection data"
+                     ) -> "DetectionData":
+        """From ragged arrays: image ``i``'s objects are rows ``offsets[i]:offsets[i + 1]`` of ``boxes``/``labels``."""
+        x = torch.as_tensor(x)
+        boxes = torch.as_tensor(boxes).to(torch.float32 if not torch.as_tensor(boxes).is_floating_point()
+                                          else torch.as_tensor(boxes).dtype)
+        labels, offsets = torch.as_tensor(labels), torch.as_tensor(offsets)
+        n = int(x.shape[0]) if x.ndim else 0
+        if boxes.numel() == 0:
+            boxes = boxes.reshape(0, 4)
+        problems = []
+        if boxes.ndim != 2 or boxes.shape[1] != 4:
+            problems.append(f"boxes has shape {tuple(boxes.shape)}, expected (M, 4) x1, y1, x2, y2")
+        if labels.is_floating_point() or labels.reshape(-1).shape[0] != boxes.shape[0]:
+            problems.append(f"labels must be M = {boxes.shape[0]} integers, got {labels.dtype} {tuple(labels.shape)}")
+        if offsets.is_floating_point() or offsets.ndim != 1 or offsets.shape[0] != n + 1:
+            problems.append(f"offsets must be N + 1 = {n + 1} integers, got {offsets.dtype} {tuple(offsets.shape)}")
+        elif n + 1 and (int(offsets[0]) != 0 or int(offsets[-1]) != boxes.shape[0]
+                        or bool((offsets[1:] < offsets[:-1]).any())):
+            problems.append(f"offsets must rise from 0 to M = {boxes.shape[0]}")
+        if not problems and boxes.numel() and not bool(torch.isfinite(boxes).all()):
+            problems.append("boxes hold NaN/inf")
+        if not problems and boxes.numel() and bool(((boxes[:, 2] < boxes[:, 0]) | (boxes[:, 3] < boxes[:, 1])).any()):
+            problems.append("some boxes have x2 < x1 or y2 < y1 (expected x1, y1, x2, y2)")
+        if not problems and labels.numel() and int(labels.min()) < 0:
+            problems.append("labels hold negative class indices")
+        if problems:
+            raise DataError(f"{what}: " + "; ".join(problems) + ". Fix: save x (N, C, H, W), boxes (M, 4), labels "
+                            "(M,) and offsets (N + 1,) so that image i's objects are rows offsets[i]:offsets[i+1].")
+        image = torch.repeat_interleave(torch.arange(n), offsets[1:] - offsets[:-1])
+        return cls(x, BoxSet(boxes, labels.reshape(-1).long(), image, n))
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        one = self.targets.images(index, index + 1)
+        return self.x[index], {"boxes": one.boxes, "labels": one.labels}
+
+    def batch(self, start: int, stop: int) -> tuple[Tensor, BoxSet]:
+        """Images ``start .. stop - 1`` and their targets, packed."""
+        return self.x[start:stop], self.targets.images(start, stop)
+
+
+def detection_collate(items: Sequence[tuple[Any, Any]]) -> tuple[Tensor, BoxSet]:
+    """``collate_fn`` for a ``DataLoader`` of ``(image, target dict)`` pairs: stacked images and packed targets."""
+    images = torch.stack([torch.as_tensor(item[0]) for item in items])
+    return images, as_boxset([item[1] for item in items], len(items), "detection targets")
+
+
+# ------------------------------------------------------------------------------------- inference
+
+
+def check_multilabel(y: Tensor, what: str) -> None:
+    """Raise unless ``y`` is a ``(N, classes)`` 0/1 matrix (on the host; for data read whole)."""
+    if y.ndim != 2 or y.shape[1] < 2:
+        raise DataError(f"{what}: multi-label labels must be a (N, classes) 0/1 matrix, got shape {tuple(y.shape)}.")
+    if not bool(((y == 0) | (y == 1)).all()):
+        raise DataError(f"{what}: multi-label labels must be 0 or 1, found other values. Fix: save a 0/1 matrix "
+                        "with one column per class.")
+
+
+_PEEKED: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
+
+
+def _peeked_task(dataset: Any) -> str | None:
+    """The task of a map-style dataset's first item (read once per dataset and process, then remembered)."""
+    try:
+        return _PEEKED[dataset]
+    except (KeyError, TypeError):
+        pass
+    task: str | None = None
+    try:
+        item = dataset[0]
+    except Exception:
+        item = None
+    if isinstance(item, (tuple, list)) and len(item) > 1:
+        if isinstance(item[1], Mapping):
+            task = DETECTION
+        else:
+            y = torch.as_tensor(item[1])
+            task = MULTI if y.ndim == 1 and y.shape[0] > 1 else SINGLE
+    try:
+        _PEEKED[dataset] = task
+    except TypeError:  # not weak-referenceable: read again next time
+        pass
+    return task
+
+
+def infer_task(data: Any) -> str | None:
+    """The task the data's labels imply: ``detection`` for boxes, ``multi-label`` for a 2-D label matrix,
+    ``single-label`` for 1-D labels, ``None`` when it cannot be told. Tensors and ``TensorDataset`` are
+    read from their shapes; a ``DataLoader`` with :func:`detection_collate`, or over a dataset with a
+    ``task`` attribute, says so; another map-style dataset has its first item read once (remembered per
+    dataset), an iterable one is not read (``None``)."""
+    source = data.dataset if isinstance(data, torch.utils.data.DataLoader) else data
+    declared = getattr(source, "task", None)
+    if declared in TASKS:
+        return declared
+    if isinstance(data, torch.utils.data.DataLoader) and data.collate_fn is detection_collate:
+        return DETECTION
+    y: Any = None
+    if isinstance(source, torch.utils.data.TensorDataset):
+        y = source.tensors[1] if len(source.tensors) > 1 else None
+    elif isinstance(source, Mapping):
+        if "boxes" in source or "targets" in source:
+            return DETECTION
+        y = source.get("y")
+    elif isinstance(source, (tuple, list)) and len(source) == 2 and hasattr(source[0], "shape"):
+        y = source[1]
+        if is_detection_output(y):
+            return DETECTION
+    elif isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
+        return _peeked_task(source)
+    else:
+        return None
+    if y is None:
+        return None
+    shape = getattr(y, "shape", None)
+    if shape is None:
+        return None
+    return MULTI if len(shape) == 2 else SINGLE

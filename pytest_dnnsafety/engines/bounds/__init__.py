@@ -1,0 +1,1 @@
+"""Sound output bounds (IBP, CROWN), the verification library under the robustness and quantification families, separated by role: the bounded model (model), bound operators (ops, layers, smooth relaxations), the backward pass (crown), and the translation of `.pt2` programs (export, aten)."""

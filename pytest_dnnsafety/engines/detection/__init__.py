@@ -1,0 +1,1 @@
+"""Family `detection`: COCO box matching, mAP and recall with bootstrap bounds over images (matching)."""

@@ -1,0 +1,424 @@
+"""Detection quality: COCO mean average precision and recall per scenario group, with bootstrap bounds.
+
+The protocol is COCO's bounding-box evaluation (Lin et al. 2014, "Microsoft COCO: Common Objects in
+Context"), reproduced as pycocotools' ``COCOeval`` computes it (area range ``all``, no crowd
+annotations), so the numbers equal pycocotools' to floating-point rounding:
+
+* **matching** (``evaluateImg``), per image and class: the detections sorted by score, descending,
+  with a stable sort, at most ``max_detections`` of them (pycocotools caps per image *and class*);
+  each detection in turn takes the still unmatched ground-truth box of its image and class with the
+  highest IoU (:func:`~pytest_dnnsafety.data.tasks.box_iou`'s, per cell: :func:`cell_iou`) at least ``t``
+  (among equal IoUs the later box, as pycocotools' loop does), separately for every IoU threshold
+  ``t`` (COCO: 0.50:0.05:0.95);
+* **AP per class** (``accumulate``): all images' detections of the class sorted by score with a
+  stable sort (ties keep image order), cumulative true and false positives, precision made
+  monotone from the right, read at 101 recall points (``searchsorted`` side ``left``; past the
+  last recall it is 0) and averaged; classes without ground truth are left out of the mean;
+  mAP@[.5:.95] is the mean over classes and thresholds, mAP@.5 the mean at ``t = 0.5``.
+
+Streaming: :meth:`BoxMatchEngine.update` matches one batch (dense per (image, class) cell, one
+vectorised step per detection rank) and keeps only, per detection, its score, class, image and one
+bit per threshold (matched or not), plus each ground-truth object's image and class — never the
+images. Detections are ragged, so matching a batch reads two small things to the host: the number of
+(image, class) cells and the largest cell sizes, which size the padded tensors; the greedy loop runs
+once per detection rank (at most ``max_detections``), over every cell and threshold at once.
+:meth:`BoxMatchEngine.evaluate` (mAP) and :meth:`BoxMatchEngine.recall` then evaluate any set of
+images (a scenario group) from those records.
+
+**Bootstrap bounds.** The detections and objects of one image are dependent (one dark frame loses
+all its pedestrians together), so objects are not independent trials and a binomial bound over
+objects would be too narrow. The images are the independent units: a replicate resamples the group's
+images with replacement (multinomial weights, from a seeded ``torch.Generator``: the same seed gives
+the same numbers) and recomputes mAP from the kept records with *weighted* cumulative sums (an image
+drawn twice counts twice, exactly as if its detections were duplicated next to each other), for a
+chunk of replicates at once with matrix operations; no replicate repeats the matching. The lower
+bound is the ``1 − confidence`` percentile of the replicates (``lower`` interpolation), the upper
+the ``confidence`` percentile. A percentile bootstrap interval is an *estimate* of the sampling
+uncertainty, not an exact (guaranteed-coverage) bound: its coverage approaches the nominal level
+only as the number of images grows, and mAP is a non-smooth statistic of the whole ranking. A
+replicate whose images hold no ground truth at all has no mAP and counts as 0 (conservative).
+
+Pure torch, no pytest import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
+from pytest_dnnsafety.engines.core.base import Engine
+
+__all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
+
+
+def _linspace(start: float, stop: float, num: int) -> Tensor:
+    """numpy's ``linspace`` bit for bit (``i * step + start``, the last point ``stop``): what pycocotools uses."""
+    out = torch.arange(num, dtype=torch.float64) * ((stop - start) / (num - 1)) + start
+    out[-1] = stop
+    return out
+
+
+#: pycocotools' ``iouThrs``: 0.50, 0.55, …, 0.95.
+COCO_IOU_THRESHOLDS = _linspace(0.5, 0.95, 10)
+#: pycocotools' ``recThrs``: 0.00, 0.01, …, 1.00.
+RECALL_POINTS = _linspace(0.0, 1.0, 101)
+_EPS = 2.220446049250313e-16  # np.spacing(1)
+#: Replicates × detections × thresholds of one bootstrap chunk (64 MiB of float64): the bootstrap's working
+#: memory is a few such blocks split over the classes, whatever the number of images.
+BOOTSTRAP_CHUNK_ELEMENTS = 1 << 23
+
+
+def _check_thresholds(iou_thresholds: Any) -> Tensor:
+    thr = torch.as_tensor(iou_thresholds, dtype=torch.float64).reshape(-1)
+    if thr.numel() == 0 or not bool(((thr > 0) & (thr <= 1)).all()):
+        raise ConfigError(f"IoU thresholds must be a non-empty list of numbers in (0, 1], got {iou_thresholds!r}")
+    return thr
+
+
+class BoxMatchEngine(Engine):
+    """Per-detection match records of a detector over a data set (see the module docstring).
+
+    ``iou_thresholds``: the thresholds matched at (default COCO's ten); ``max_detections``: the
+    detections kept per image and class (by score; COCO 100). The records are ``cat`` states and the
+    image count a ``max`` state, so engines of disjoint image ranges (pytest-xdist workers, torchrun
+    ranks) merge and all-reduce into the single pass's records; :meth:`records` orders them by image
+    (stably), so the result does not depend on the order the parts were merged in.
+    """
+
+    def __init__(self, iou_thresholds: Any = COCO_IOU_THRESHOLDS, max_detections: int = 100,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(device)
+        if isinstance(max_detections, bool) or not isinstance(max_detections, int) or max_detections < 1:
+            raise ConfigError(f"max_detections must be a positive int, got {max_detections!r}")
+        self.thresholds = _check_thresholds(iou_thresholds)
+        self.max_detections = max_detections
+        T = self.thresholds.numel()
+        int64 = torch.int64
+        self.add_state("det_score", torch.zeros(0, dtype=torch.float64), "cat")
+        self.add_state("det_class", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("det_image", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("det_matched", torch.zeros(0, T, dtype=torch.bool), "cat")
+        self.add_state("gt_image", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("gt_class", torch.zeros(0, dtype=int64), "cat")
+        self.add_state("image_count", torch.zeros((), dtype=int64), "max")
+        self._next = 0  # the default start of the next batch (host side, no sync)
+
+    def config(self) -> dict[str, Any]:
+        return {"iou_thresholds": self.thresholds.tolist(), "max_detections": self.max_detections}
+
+    def reset(self) -> None:
+        super().reset()
+        self._next = 0
+
+    @property
+    def n_images(self) -> int:
+        """Images seen (the largest image index + 1 over every part merged in; one host read)."""
+        return int(self.image_count)
+
+    # ------------------------------------------------------------------ matching
+    def update(self, detections: BoxSet, targets: BoxSet, start: int | None = None) -> None:
+        """Match one batch: ``detections`` (with scores) and ``targets`` of the same ``n_images`` images,
+        whose first image is data row ``start`` (default: right after the previous batch). No host sync
+        beyond the two small reads that size the matching (see the module docstring)."""
+        if detections.scores is None:
+            raise MetricError("detection matching needs detections with scores")
+        if detections.n_images != targets.n_images:
+            raise MetricError(f"{detections.n_images} images of detections but {targets.n_images} of targets")
+        start = self._next if start is None else int(start)
+        self._next = start + targets.n_images
+        dev = targets.device
+        dets = detections.to(dev)
+        score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
+        self.append_state("det_score", score)
+        self.append_state("det_class", label)
+        self.append_state("det_image", image + start)
+        self.append_state("det_matched", matched)
+        self.append_state("gt_image", targets.image + start)
+        self.append_state("gt_class", targets.labels)
+        self.image_count = torch.maximum(self.image_count, torch.tensor(start + targets.n_images,
+                                                                        device=self.image_count.device))
+
+    def records(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """All batches' records, detections ordered by image (stably): detection score, class, image,
+        matched ``(D, T)``; object image, class."""
+        image = self.det_image
+        order = torch.sort(image, stable=True).indices
+        return (self.det_score[order], self.det_class[order], image[order], self.det_matched[order],
+                self.gt_image, self.gt_class)
+
+    def compute(self) -> "GroupMAP":
+        """mAP of every image seen (no bootstrap): :meth:`evaluate` with its defaults."""
+        return self.evaluate()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, images: Tensor | None = None, *, bootstrap: int = 0, confidence: float = 0.95,
+                 generator: torch.Generator | None = None, columns: Sequence[int] | None = None) -> "GroupMAP":
+        """mAP (and per-class AP) of the images ``images`` (a bool mask or indices; default all), with a
+        percentile bootstrap over those images when ``bootstrap`` > 0 (see the module docstring).
+        ``columns``: the thresholds (indices into ``thresholds``) averaged over (default all; each
+        threshold's matching is independent of the others, so a subset is that subset's mAP)."""
+        score, label, image, matched, gimage, glabel = self.records()
+        columns = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
+        matched = matched[:, columns]
+        keep = self._image_mask(images)
+        det_in, gt_in = keep[image.cpu()].to(score.device), keep[gimage.cpu()].to(gimage.device)
+        score, label, image, matched = score[det_in], label[det_in], image[det_in], matched[det_in]
+        gimage, glabel = gimage[gt_in], glabel[gt_in]
+        members = torch.nonzero(keep).reshape(-1)
+        local = torch.full((self.n_images,), -1, dtype=torch.int64)
+        local[members] = torch.arange(members.numel())
+        image, gimage = local[image.cpu()].to(score.device), local[gimage.cpu()].to(score.device)
+        n_img = int(members.numel())
+        classes = torch.unique(torch.cat([label, glabel]).cpu())
+        K = int(classes.numel())
+        cls = torch.searchsorted(classes, label.cpu()).to(score.device)
+        gcls = torch.searchsorted(classes, glabel.cpu()).to(score.device)
+        gt_counts = torch.zeros(n_img, max(K, 1), dtype=torch.float64, device=score.device)
+        gt_counts.index_put_((gimage, gcls), torch.ones_like(gimage, dtype=torch.float64), accumulate=True)
+        order = _class_score_order(cls, score)
+        cls, score, image, matched = cls[order], score[order], image[order], matched[order]
+        bounds = torch.searchsorted(cls.cpu(), torch.arange(K + 1)).tolist()
+        ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
+        ap = average_precision(matched, image, bounds, gt_counts, ones)[0]  # (K, T), NaN without GT
+        point = _mean_map(ap)
+        lower = upper = None
+        replicates = None
+        if bootstrap:
+            gen = generator if generator is not None else torch.Generator().manual_seed(0)
+            maps = []
+            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // max(1, score.numel() * matched.shape[1], n_img * max(K, 1)))
+            for first in range(0, bootstrap, chunk):
+                b = min(chunk, bootstrap - first)
+                weights = _multinomial_weights(b, n_img, gen).to(score.device)
+                maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
+            replicates = torch.cat(maps) if maps else torch.zeros(0, dtype=torch.float64)
+            lower, upper = _percentiles(replicates, confidence)
+        return GroupMAP(images=n_img, objects=int(gimage.numel()), detections=int(score.numel()),
+                        classes=classes.tolist(), ap=ap.cpu(), map=point,
+                        map50=_mean_map(ap[:, :1]) if ap.numel() else math.nan,
+                        lower=lower, upper=upper, replicates=replicates,
+                        thresholds=self.thresholds[columns].tolist())
+
+    def recall(self, images: Tensor | None = None, *, score_threshold: float = 0.5, threshold_index: int = 0,
+               bootstrap: int = 0, confidence: float = 0.95, generator: torch.Generator | None = None,
+               ) -> "GroupRecall":
+        """Per-class recall of the images ``images``: objects matched (at ``thresholds[threshold_index]``) by a
+        detection with score ≥ ``score_threshold``, over the objects; bootstrap over images as :meth:`evaluate`."""
+        score, label, image, matched, gimage, glabel = self.records()
+        keep = self._image_mask(images)
+        members = torch.nonzero(keep).reshape(-1)
+        local = torch.full((self.n_images,), -1, dtype=torch.int64)
+        local[members] = torch.arange(members.numel())
+        n_img = int(members.numel())
+        hit_row = (score >= score_threshold) & matched[:, threshold_index]
+        det_in = keep[image.cpu()].to(score.device) & hit_row
+        gt_in = keep[gimage.cpu()].to(gimage.device)
+        classes = torch.unique(glabel[gt_in].cpu())
+        K = int(classes.numel())
+        hits = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
+        objects = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
+        lab, gl = label[det_in].cpu(), glabel[gt_in].cpu()
+        known = torch.isin(lab, classes)  # a matched detection's class always has objects; defensive
+        hits.index_put_((local[image[det_in].cpu()][known], torch.searchsorted(classes, lab[known])),
+                        torch.ones(int(known.sum()), dtype=torch.float64), accumulate=True)
+        objects.index_put_((local[gimage[gt_in].cpu()], torch.searchsorted(classes, gl)),
+                           torch.ones(gl.numel(), dtype=torch.float64), accumulate=True)
+        per_class = hits.sum(0)[:K] / objects.sum(0)[:K]
+        overall = float(hits.sum() / objects.sum()) if K else math.nan
+        lower = overall_lower = None
+        if bootstrap and K:
+            gen = generator if generator is not None else torch.Generator().manual_seed(0)
+            weights = _multinomial_weights(bootstrap, n_img, gen)
+            h, o = weights @ hits[:, :K], weights @ objects[:, :K]  # (B, K)
+            rep = torch.where(o > 0, h / o.clamp_min(1), torch.zeros_like(h))  # a class drawn away: 0
+            lower = torch.quantile(rep, 1.0 - confidence, dim=0, interpolation="lower")
+            overall_lower = _percentiles(h.sum(1) / o.sum(1).clamp_min(1), confidence)[0]
+        return GroupRecall(images=n_img, objects=int(objects.sum()), classes=classes.tolist(),
+                           recall=per_class, class_objects=objects.sum(0)[:K].long().tolist(), overall=overall,
+                           lower=lower, overall_lower=overall_lower)
+
+    def _image_mask(self, images: Tensor | None) -> Tensor:
+        keep = torch.ones(self.n_images, dtype=torch.bool)
+        if images is not None:
+            images = torch.as_tensor(images).cpu()
+            if images.dtype == torch.bool:
+                keep = images.reshape(-1)[: self.n_images].clone()
+            else:
+                keep = torch.zeros(self.n_images, dtype=torch.bool)
+                keep[images.long()] = True
+        return keep
+
+
+@dataclass(frozen=True)
+class GroupMAP:
+    """COCO mAP of one set of images: point estimates, per-class AP ``(K, T)`` and bootstrap bounds."""
+
+    images: int
+    objects: int
+    detections: int
+    classes: list[int]
+    ap: Tensor  # (K, T) AP per class and IoU threshold, NaN for a class without ground truth
+    map: float  # mean over classes with ground truth and thresholds; NaN when no class has any
+    map50: float  # the same at the first threshold
+    lower: float | None
+    upper: float | None
+    replicates: Tensor | None
+    thresholds: list[float]
+
+    def class_ap(self) -> dict[int, float | None]:
+        """Each class's AP averaged over the thresholds (None: no ground truth)."""
+        means = self.ap.mean(1) if self.ap.numel() else torch.zeros(0)
+        return {c: (None if math.isnan(v) else v) for c, v in zip(self.classes, means.tolist())}
+
+
+@dataclass(frozen=True)
+class GroupRecall:
+    """Per-class recall at a score threshold of one set of images (bounds from the bootstrap)."""
+
+    images: int
+    objects: int
+    classes: list[int]
+    recall: Tensor  # (K,)
+    class_objects: list[int]
+    overall: float
+    lower: Tensor | None  # (K,)
+    overall_lower: float | None
+
+
+# ------------------------------------------------------------------------------------- matching kernels
+
+
+def _stable_order(key: Tensor) -> Tensor:
+    return torch.sort(key, stable=True).indices
+
+
+def _match(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """COCO's greedy matching of one batch, every (image, class) cell at once; one step per detection rank."""
+    dev, T = gts.device, thr.numel()
+    score = dets.scores.to(torch.float64)
+    order = _stable_order(-score)  # score descending, ties in the model's order
+    order = order[_stable_order(dets.labels[order])]
+    order = order[_stable_order(dets.image[order])]  # (image, class, -score)
+    d_img, d_lab, d_box, score = dets.image[order], dets.labels[order], dets.boxes[order], score[order]
+    g_order = _stable_order(gts.labels)
+    g_order = g_order[_stable_order(gts.image[g_order])]  # (image, class), annotation order within
+    g_img, g_lab, g_box = gts.image[g_order], gts.labels[g_order], gts.boxes[g_order]
+    D, M = d_img.numel(), g_img.numel()
+    keys = torch.cat([torch.stack([d_img, d_lab], 1), torch.stack([g_img, g_lab], 1)])
+    if keys.numel() == 0:
+        return (score, d_lab, d_img, torch.zeros(0, T, dtype=torch.bool, device=dev))
+    _cells, inverse = torch.unique(keys, dim=0, return_inverse=True)  # cells in (image, class) order
+    d_cell, g_cell = inverse[:D], inverse[D:]
+    C = int(_cells.shape[0])
+    d_count = torch.bincount(d_cell, minlength=C)
+    g_count = torch.bincount(g_cell, minlength=C)
+    d_rank = torch.arange(D, device=dev) - (d_count.cumsum(0) - d_count)[d_cell]
+    g_rank = torch.arange(M, device=dev) - (g_count.cumsum(0) - g_count)[g_cell]
+    kept = d_rank < max_det
+    d_cell, d_rank, d_box, score, d_lab, d_img = (t[kept] for t in (d_cell, d_rank, d_box, score, d_lab, d_img))
+    pd, pg = (int(v) for v in torch.stack([d_count.amax().clamp_max(max_det), g_count.amax()]).tolist())  # one read
+    matched = torch.zeros(C, pd, T, dtype=torch.bool, device=dev)
+    if pd and pg:
+        d_row = torch.full((C, pd), -1, dtype=torch.int64, device=dev)
+        d_row[d_cell, d_rank] = torch.arange(d_cell.numel(), device=dev)
+        g_row = torch.full((C, pg), -1, dtype=torch.int64, device=dev)
+        g_row[g_cell, g_rank] = torch.arange(M, device=dev)
+        iou = cell_iou(d_box[d_row.clamp_min(0)], g_box[g_row.clamp_min(0)])  # (C, pd, pg), only within cells
+        iou = torch.where((d_row[:, :, None] >= 0) & (g_row[:, None, :] >= 0), iou, torch.full_like(iou, -1.0))
+        eff = thr.clamp_max(1 - 1e-10)[None, :, None]  # pycocotools: min(t, 1 - 1e-10)
+        taken = torch.zeros(C, T, pg, dtype=torch.bool, device=dev)
+        slots = torch.arange(pg, device=dev)
+        for r in range(pd):  # detections of one rank: at most one per cell, so no two compete for a box
+            row = iou[:, r, None, :]  # (C, 1, pg)
+            ok = (row >= eff) & ~taken
+            best = torch.where(ok, row, torch.full_like(row, -2.0)).flip(-1).argmax(-1)  # last of equal IoUs
+            pick = pg - 1 - best  # (C, T)
+            hit = ok.any(-1)
+            taken |= (slots == pick[..., None]) & hit[..., None]
+            matched[:, r] = hit
+    return score, d_lab, d_img, matched[d_cell, d_rank]
+
+
+def cell_iou(a: Tensor, b: Tensor) -> Tensor:
+    """:func:`~pytest_dnnsafety.data.tasks.box_iou` batched over a leading dimension: ``(C, P, 4)`` × ``(C, Q, 4)`` →
+    ``(C, P, Q)`` (the same kernel, :func:`~pytest_dnnsafety.data.tasks.paired_iou`, so the same bits), without the
+    ``(D, M)`` matrix of every detection against every object of the batch."""
+    return paired_iou(a[:, :, None, :], b[:, None, :, :])
+
+
+# ------------------------------------------------------------------------------------- accumulation
+
+
+def _class_score_order(cls: Tensor, score: Tensor) -> Tensor:
+    """Class, then score descending; ties keep the record order (images ascending, as pycocotools)."""
+    order = _stable_order(-score)
+    return order[_stable_order(cls[order])]
+
+
+def average_precision(matched: Tensor, image: Tensor, bounds: Sequence[int], gt_counts: Tensor,
+                      weights: Tensor) -> Tensor:
+    """AP per replicate, class and threshold, ``(B, K, T)`` (NaN where a class has no ground truth).
+
+    ``matched`` ``(D, T)`` and ``image`` ``(D,)`` are the records sorted by class then score
+    (class ``k`` is rows ``bounds[k]:bounds[k + 1]``); ``gt_counts`` ``(n_images, K)``; ``weights``
+    ``(B, n_images)`` the number of times each image is counted (1: the data as it is).
+    """
+    B, T = weights.shape[0], matched.shape[1]
+    K = len(bounds) - 1
+    npig = weights @ gt_counts[:, :K]  # (B, K)
+    out = torch.full((B, K, T), math.nan, dtype=torch.float64, device=weights.device)
+    points = RECALL_POINTS.to(weights.device)
+    for k in range(K):  # classes are few; each is one set of matrix operations over replicates and thresholds
+        lo, hi = bounds[k], bounds[k + 1]
+        n_pos = npig[:, k]  # (B,)
+        if hi == lo:
+            out[:, k] = torch.where(n_pos > 0, 0.0, math.nan)[:, None].expand(B, T)
+            continue
+        w = weights[:, image[lo:hi]]  # (B, n)
+        m = matched[lo:hi].to(torch.float64)  # (n, T)
+        tp = torch.cumsum(w[:, :, None] * m[None], dim=1)  # (B, n, T): integer sums, exact in float64
+        fp = torch.cumsum(w, dim=1)[:, :, None] - tp  # the rest of the (weighted) detections so far
+        rc = (tp / n_pos[:, None, None].clamp_min(1)).transpose(1, 2).contiguous()  # (B, T, n)
+        pr = (tp / (fp + tp + _EPS)).transpose(1, 2)
+        pr = pr.flip(-1).cummax(-1).values.flip(-1)  # monotone from the right
+        idx = torch.searchsorted(rc, points.expand(B, T, -1).contiguous(), side="left")  # (B, T, R)
+        q = torch.where(idx < hi - lo, pr.gather(-1, idx.clamp_max(hi - lo - 1)), torch.zeros((), dtype=pr.dtype,
+                                                                                                device=pr.device))
+        out[:, k] = torch.where(n_pos[:, None] > 0, q.mean(-1), torch.full_like(q[..., 0], math.nan))
+    return out
+
+
+def _mean_map(ap: Tensor, fill: float = math.nan) -> Any:
+    """Mean over classes with ground truth and thresholds: a float for ``(K, T)``, ``(B,)`` for ``(B, K, T)``."""
+    if ap.dim() == 2:
+        valid = ~torch.isnan(ap)
+        return float(ap[valid].mean()) if bool(valid.any()) else fill
+    valid = ~torch.isnan(ap)
+    total = torch.where(valid, ap, torch.zeros_like(ap)).sum((1, 2))
+    count = valid.sum((1, 2))
+    return torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, fill))
+
+
+def _multinomial_weights(b: int, n: int, generator: torch.Generator) -> Tensor:
+    """``(b, n)`` float64 counts: each row ``n`` draws with replacement from ``n`` images (on the host, seeded)."""
+    if n == 0:
+        return torch.zeros(b, 0, dtype=torch.float64)
+    draws = torch.randint(0, n, (b, n), generator=generator)
+    counts = torch.zeros(b, n, dtype=torch.float64)
+    counts.scatter_add_(1, draws, torch.ones(b, n, dtype=torch.float64))
+    return counts
+
+
+def _percentiles(values: Tensor, confidence: float) -> tuple[float, float]:
+    """The one-sided ``1 − confidence`` (lower) and ``confidence`` (upper) percentiles, conservative sides."""
+    values = values.to(torch.float64).cpu()
+    lo = torch.quantile(values, 1.0 - confidence, interpolation="lower")
+    hi = torch.quantile(values, confidence, interpolation="higher")
+    return float(lo), float(hi)

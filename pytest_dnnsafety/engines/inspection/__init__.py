@@ -1,0 +1,1 @@
+"""Family `inspection`: DeepInspect class confusion and bias, single-label (deepinspect, kernels) and multi-label (multilabel)."""

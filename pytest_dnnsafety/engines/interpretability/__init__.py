@@ -1,0 +1,1 @@
+"""Family `interpretability`: occlusion sensitivity of classifiers (occlusion) and detectors (detector) (Cheng et al. 2018, §II-G)."""

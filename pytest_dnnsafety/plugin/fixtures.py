@@ -1,0 +1,82 @@
+"""Fixture values built from the settings: the operational profile, segmentation masks and the scenario table.
+
+They read their files through :mod:`pytest_dnnsafety.files.loading` (no unpickling, bounded reads) and
+build the objects of the layers below (the reliability family's profile, the interpretability family's
+masks, the scenario table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pytest_dnnsafety.data.forms import as_tensors
+from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.files.loading import call_factory, existing_file, load_operational_data
+from pytest_dnnsafety.files.loading import read_array_file
+from pytest_dnnsafety.settings import Settings
+
+__all__ = ["load_operational_profile", "load_masks", "load_scenario_table"]
+
+
+def load_operational_profile(settings: Settings, device: torch.device) -> Any:
+    """An :class:`~pytest_dnnsafety.engines.reliability.profile.OperationalProfile` from ``dnnsafety_operational_data``.
+
+    A ``pkg.module:factory`` may return a ready profile (e.g. one in a PCA latent space) or
+    operational data; a file holds the data. Data gets a Gaussian KDE with Scott's bandwidth.
+    """
+    from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
+
+    resolved = settings.require("operational_data", "the operational profile")
+    if resolved.is_factory:
+        made = call_factory(resolved, settings, "an OperationalProfile or operational data", DataError)
+        if isinstance(made, OperationalProfile):
+            return made
+        x, _ = as_tensors(made, f"operational data (dnnsafety_operational_data={resolved.value!r} "
+                                f"from {resolved.source})")
+    else:
+        x = load_operational_data(settings)
+    return OperationalProfile(x, device=device)
+
+
+def load_masks(settings: Settings) -> Any:
+    """The segmentation masks of ``dnnsafety_masks`` as a ``(N, H, W)`` bool tensor.
+
+    A file (.npz with key ``masks``, .npy, .pt/.pth holding a tensor or ``{"masks": ...}``) read
+    without unpickling, or a ``package.module:load`` factory returning the masks. Alignment with
+    the data (count, H and W) is checked by the gate, which sees both.
+    """
+    from pytest_dnnsafety.engines.interpretability.occlusion import check_masks
+
+    resolved = settings.require("masks", "the segmentation masks (fixture `masks`)")
+    label = f"segmentation masks (dnnsafety_masks={resolved.value!r} from {resolved.source})"
+    if resolved.is_factory:
+        raw = call_factory(resolved, settings, "the masks: (N, H, W) booleans or {'masks': ...}", DataError)
+        if raw is None:
+            raise DataError(f"{label}: the factory returned None. Fix: return the masks (a missing `return`?).")
+    else:
+        raw = read_array_file(existing_file(settings, resolved), label)
+        if isinstance(raw, Mapping) and "masks" not in raw and len(raw) == 1:
+            raw = next(iter(raw.values()))  # an .npz saved with np.savez(path, m) has key arr_0
+    return check_masks(raw, label)
+
+
+def load_scenario_table(settings: Settings) -> Any:
+    """The scenario table from ``dnnsafety_scenarios`` (CSV) and ``dnnsafety_conditions`` (TOML)."""
+    scen = settings.require("scenarios", "the scenario table")
+    from pytest_dnnsafety.scenarios import Conditions, ScenarioTable
+
+    if scen.is_factory:
+        table = call_factory(scen, settings, "a pytest_dnnsafety.ScenarioTable", ConfigError)
+        if not isinstance(table, ScenarioTable):
+            raise ConfigError(
+                f"dnnsafety_scenarios={scen.value!r} (from {scen.source}) returned "
+                f"{type(table).__name__}, not a pytest_dnnsafety.ScenarioTable."
+            )
+        return table
+    csv_path = existing_file(settings, scen)
+    cond = settings.require("conditions", "the operating conditions (each condition's value domain)")
+    conditions = Conditions.from_toml(existing_file(settings, cond))
+    return ScenarioTable.from_csv(csv_path, conditions)
