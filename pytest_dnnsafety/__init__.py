@@ -3,7 +3,7 @@
 The public API is what ``__all__`` lists. Objects that need torch (``ScenarioTable``,
 ``Conditions``, the engines) are imported on first access, so importing the package (which pytest
 does for every run once the plugin is installed) costs no torch import. The gate-writing API
-(``GateDef``, ``Param``, ``GateSpec``, ``GateContext``, ``GateRegistry``, ``REQUIRED``,
+(``GateDef``, ``Family``, ``Param``, ``GateSpec``, ``GateContext``, ``GateRegistry``, ``REQUIRED``,
 ``Measurement``, ``hookimpl``) is what a ``conftest.py`` or a plugin uses to add its own gates
 through the ``pytest_dnnsafety_register_gates`` hook (see :mod:`pytest_dnnsafety.gates.hookspecs`).
 
@@ -23,7 +23,9 @@ it (``tests/core/test_import_graph.py`` enforces it, type-checking imports inclu
   (``engines/<family>/``, its task variants inside it); families import the libraries, never each other;
 * ``scenarios/``: operating conditions and the scenario table;
 * ``report/``: terminal, JSON evidence (and its schema), JUnit, HTML and plots, baselines;
-* ``gates/``: the gate mechanism and one module per family (``gates/<family>.py``), the hook specs;
+* ``gates/``: the gate mechanism (``Family`` and ``GateDef`` declarations, keyword checks, evaluation, the shared
+  forward pass and torchrun merge), the hook specs, and one module per family (``gates/<family>.py``: its
+  declarations, keyword checks, a short ``measure`` and its ``FAMILY``);
 * ``plugin/``: the pytest adapter (hooks, options, fixtures), the run's process roles, the generated reference.
 
 One word names a family everywhere: ``gates/<family>.py``, ``engines/<family>/``,
@@ -41,6 +43,7 @@ from pytest_dnnsafety.results import GateResult, Measurement
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+    from pytest_dnnsafety.gates.family import Family
     from pytest_dnnsafety.gates.hookspecs import hookimpl
     from pytest_dnnsafety.engines.core.guard import ForwardGuard
     from pytest_dnnsafety.data.tasks import BoxSet, DetectionData, detection_collate
@@ -69,6 +72,7 @@ __all__ = [
     "GateResult",
     "Measurement",
     "GateDef",
+    "Family",
     "Param",
     "REQUIRED",
     "GateSpec",
@@ -117,6 +121,7 @@ _LAZY = {
     "ForwardGuard": "pytest_dnnsafety.engines.core.guard",
     # the gate-writing API (no torch; imported on first use so `import pytest_dnnsafety` stays light)
     "GateDef": "pytest_dnnsafety.gates.core",
+    "Family": "pytest_dnnsafety.gates.family",
     "Param": "pytest_dnnsafety.gates.core",
     "REQUIRED": "pytest_dnnsafety.gates.core",
     "GateSpec": "pytest_dnnsafety.gates.core",

@@ -1,11 +1,12 @@
-"""Gate markers: the mechanism (:mod:`.core`, :mod:`.evaluation`) and one module per built-in family.
+"""Gate markers: the mechanism (:mod:`.core`, :mod:`.evaluation`, :mod:`.family`) and one module per family.
 
 Each family module (:mod:`.coverage`, :mod:`.neurons`, :mod:`.reliability`,
 :mod:`.robustness`, :mod:`.performance`, :mod:`.confusion`, :mod:`.interpretability`, :mod:`.monitors`,
-:mod:`.inspection`, :mod:`.quantification`) is a pytest plugin that
-registers its gates through the ``pytest_dnnsafety_register_gates`` hook, exactly as a user's
-``conftest.py`` or an installed plugin does. Adding a built-in family is one new module and one line
-in :data:`BUILTIN_FAMILIES`; the plugin registers every module listed there.
+:mod:`.inspection`, :mod:`.quantification`, :mod:`.detection`) declares itself once, ``FAMILY =
+Family(...)``, and is a pytest plugin that registers that family through the
+``pytest_dnnsafety_register_gates`` hook, exactly as a user's ``conftest.py`` or an installed plugin
+does. :data:`BUILTIN_FAMILIES` is derived: the modules of this package that declare a ``FAMILY``, in
+their ``order``; the plugin registers every one. Adding a built-in family is one new module.
 
 :data:`GATES` is the process-wide registry of the built-in gates (plus any added with the older
 :func:`register_gate`); a pytest run uses its own :class:`GateRegistry`, filled by the hook. This
@@ -15,51 +16,38 @@ package imports no torch.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
-from pytest_dnnsafety.gates.core import (  # noqa: F401  - _caller_source: the source of a register_gate call
-    COMMON_SETTINGS,
-    GATES,
-    REGRESSION_KEYWORDS,
-    REQUIRED,
-    GateContext,
-    GateDef,
-    GateDefinitionError,
-    GateRegistry,
-    GateSpec,
-    Param,
-    check_where,
-    in_range,
-    is_finite,
-    is_interval,
-    one_of,
-    parse_marker,
-    _caller_source,
-    resolve_optional,
-)
+from pytest_dnnsafety.gates.core import COMMON_SETTINGS, GATES, REGRESSION_KEYWORDS, REQUIRED, GateContext, GateDef, GateDefinitionError, GateRegistry, GateSpec, Param, parse_marker, _caller_source, resolve_optional
+from pytest_dnnsafety.gates.checks import check_where, in_range, is_finite, is_interval, one_of
 from pytest_dnnsafety.gates.evaluation import context_for, evaluate
+from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.gates.reliability import _PMI_METHODS  # noqa: F401  - checked against stats.METHODS by the tests
 
 __all__ = [
-    "Param", "GateDef", "GateSpec", "GateContext", "GateRegistry", "GateDefinitionError", "GATES",
+    "Param", "GateDef", "GateSpec", "GateContext", "GateRegistry", "GateDefinitionError", "GATES", "Family",
     "BUILTIN_FAMILIES", "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "parse_marker", "evaluate",
     "context_for", "register_gate", "resolve_optional", "builtin_registry", "in_range", "one_of",
     "check_where", "is_finite", "is_interval",
 ]
 
-#: The built-in gate families, each a module registering its gates through the hook.
-BUILTIN_FAMILIES = (
-    "pytest_dnnsafety.gates.coverage",
-    "pytest_dnnsafety.gates.neurons",
-    "pytest_dnnsafety.gates.reliability",
-    "pytest_dnnsafety.gates.robustness",
-    "pytest_dnnsafety.gates.performance",
-    "pytest_dnnsafety.gates.confusion",
-    "pytest_dnnsafety.gates.interpretability",
-    "pytest_dnnsafety.gates.monitors",
-    "pytest_dnnsafety.gates.inspection",
-    "pytest_dnnsafety.gates.quantification",
-    "pytest_dnnsafety.gates.detection",
-)
+
+def _declared_families() -> tuple[str, ...]:
+    """The modules of this package that declare a ``FAMILY`` (a :class:`Family`), by its ``order``, then name."""
+    found: list[tuple[int, str, str]] = []
+    for info in pkgutil.iter_modules(__path__, f"{__name__}."):
+        family = getattr(importlib.import_module(info.name), "FAMILY", None)
+        if isinstance(family, Family):
+            if f"{__name__}.{family.name}" != info.name:
+                raise GateDefinitionError(f"{info.name} declares the family {family.name!r}: a built-in family's "
+                                          "module is named by its one word. Fix: rename one of them")
+            found.append((family.order, family.name, info.name))
+    return tuple(module for _, _, module in sorted(found))
+
+
+#: The built-in gate families: the modules of this package declaring a ``FAMILY``, each registering it
+#: through the hook (derived: adding a built-in family is adding its module).
+BUILTIN_FAMILIES = _declared_families()
 
 
 def builtin_registry(registry: GateRegistry | None = None) -> GateRegistry:

@@ -1,6 +1,7 @@
 """Built-in gate family: severity-weighted confusion (``max_weighted_confusion``, Cheng et al. 2018, §II-H).
 
-The engine is :class:`~pytest_dnnsafety.engines.confusion.weighted.WeightedConfusionEngine`; the predictions
+The engine is :class:`~pytest_dnnsafety.engines.confusion.weighted.WeightedConfusionEngine` (filled and read by
+:mod:`pytest_dnnsafety.engines.confusion.gating`); the predictions
 come from the session's shared forward pass (:func:`.shared.outputs_for`), so a gate on a model and
 data that another gate already ran costs no forward pass. Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`)
 each rank forwards only its share of the data's batches and the engine's confusion counts are
@@ -30,60 +31,25 @@ import math
 from pathlib import PurePath
 from typing import Any, Mapping
 
-from pytest_dnnsafety.errors import ConfigError, DataError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.results import Measurement
-from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
-from pytest_dnnsafety.gates.shared import outputs_for
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import class_names, in_range, one_of
+from pytest_dnnsafety.gates.shared import merged, outputs_for
 
 __all__ = ["MAX_WEIGHTED_CONFUSION", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_weighted_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Expected severity per input Σ W∘C / N with an upper confidence bound and the per-pair breakdown."""
-    from pytest_dnnsafety.runtime import torchrun as ranks
-    from pytest_dnnsafety.engines.confusion.weighted import SeverityMatrix, WeightedConfusionEngine
+    from pytest_dnnsafety.engines.confusion.gating import ConfusionOptions, count_confusion, weighted_confusion
 
-    opts = spec.options
-    given, origin = opts["severity"], "marker severity="
-    if given is None:
-        given, origin = fx["severity_matrix"], f"fixture {spec.fixtures['severity_matrix']!r}"
-    elif isinstance(given, (str, PurePath)):
-        origin = f"file {given}"
-    classes = list(opts["classes"]) if opts["classes"] is not None else None
-    shard = ctx.shard(fx["data"])  # None: the whole data on every rank
-
-    def local() -> WeightedConfusionEngine:  # this rank's rows; the confusion counts are sums
-        out = outputs_for(spec, fx, ctx, shard=shard)
-        if out.labels is None:
-            raise DataError(f"fixture {spec.fixtures['data']!r} has no labels; the weighted confusion compares each "
-                            "prediction with the true class. Fix: give labelled data (e.g. an .npz with keys x and "
-                            "y).")
-        if out.num_classes is not None and classes is not None and len(classes) != out.num_classes:
-            raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has "
-                              f"{out.num_classes} outputs. Fix: name every output, in order.")
-        out.check_labels(spec.fixtures["data"], classes)
-        matrix = SeverityMatrix.load(given, classes, num_classes=out.num_classes, base_dir=ctx.settings.ini_dir,
-                                     default=float(opts["default"]))
-        if matrix.max_weight == 0:  # Σ W∘C / N is 0 by construction: no signal, never a pass (issue #19 §6)
-            raise ConfigError(f"{spec.marker}: the severity matrix of {origin} weighs every misclassification 0 "
-                              f"(no positive entry; pairs it does not list weigh default={opts['default']!r}), so "
-                              "the weighted confusion is 0 whatever the model predicts and the gate could never "
-                              "fail. Fix: give the costly confusions a positive severity, e.g. "
-                              "severity={'1': {'7': 10.0}}, and leave default=1.0 so that unlisted errors count once.")
-        engine = WeightedConfusionEngine(matrix, confidence=opts["confidence"], method=opts["method"],
-                                         device=out.predictions.device)
-        engine.update(out.predictions, out.labels.to(out.predictions.device))
-        return engine
-
-    engine = ranks.merged(local, shard)  # confusion counts and out-of-range rows: sum
-    res, matrix = engine.compute(), engine.severity
-    details = {**res.to_details(top=opts["top"]), "gate_on": opts["gate_on"], "severity_source": origin,
-               "severity_matrix_source": matrix.source, "severity_sha256": matrix.digest()}
-    if len(res.classes) <= 64:  # small enough to show and plot
-        details["severity"] = res.weights.tolist()
-    bound = res.bound if opts["gate_on"] == "bound" else None
-    return Measurement(value=res.value, bound=bound, detail=res.detail(), details=details)
+    opts = ConfusionOptions.of(spec.options, lambda: fx["severity_matrix"],
+                               fixture_name=spec.fixtures.get("severity_matrix"), marker=spec.marker,
+                               data=spec.fixtures["data"], base_dir=ctx.settings.ini_dir)
+    engine = merged(spec, fx, ctx, lambda shard: count_confusion(outputs_for(spec, fx, ctx, shard=shard), opts))
+    return weighted_confusion(engine, opts)  # the confusion counts and out-of-range rows: summed over the ranks
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -152,6 +118,10 @@ MAX_WEIGHTED_CONFUSION = GateDef(
 )
 
 
+#: The confusion family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("confusion", "Weighted confusion", (MAX_WEIGHTED_CONFUSION,), order=60)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MAX_WEIGHTED_CONFUSION)
+    registry.add_family(FAMILY)

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from pytest_dnnsafety.settings import SETTINGS, TASK_NAMES, Settings, parse_setting
 from pytest_dnnsafety.errors import ConfigError, DnnSafetyError, MarkerError
+from pytest_dnnsafety.gates.checks import in_range
 from pytest_dnnsafety.results import Measurement
 
 __all__ = [
     "REQUIRED", "COMMON_SETTINGS", "REGRESSION_KEYWORDS", "Param", "GateDef", "GateSpec", "GateContext",
-    "GateRegistry", "GateDefinitionError", "parse_marker", "resolve_optional", "in_range", "one_of",
-    "check_where", "is_finite", "is_interval", "class_names",
+    "GateRegistry", "GateDefinitionError", "FamilyDeclaration", "parse_marker", "resolve_optional",
 ]
 
 
@@ -53,66 +53,6 @@ class GateDefinitionError(DnnSafetyError, ValueError):
 
 
 # ------------------------------------------------------------------------------------- reusable checks
-
-
-def in_range(lo: float, hi: float) -> Callable[[Any], str | None]:
-    """A Param check: the value is a number in ``[lo, hi]`` (NaN refused)."""
-
-    def check(value: Any) -> str | None:
-        if isinstance(value, float) and math.isnan(value):
-            return "is NaN"
-        if not lo <= value <= hi:
-            return f"{value!r} is outside [{lo}, {hi}]"
-        return None
-
-    return check
-
-
-def one_of(*choices: str) -> Callable[[Any], str | None]:
-    """A Param check: the value is one of ``choices``."""
-    return lambda value: None if value in choices else f"{value!r} is not one of {', '.join(map(repr, choices))}"
-
-
-def is_finite(value: Any) -> str | None:
-    """A Param check: the number is finite."""
-    return None if math.isfinite(value) else f"{value!r} is not finite"
-
-
-def is_interval(value: Any) -> str | None:
-    """A Param check for a valid input range ``(low, high)`` with finite ``low < high`` (None allowed)."""
-    if value is None:
-        return None
-    if (len(value) == 2 and all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
-                                for c in value) and value[0] < value[1]):
-        return None
-    return f"{value!r} must be (low, high) with finite low < high"
-
-
-def class_names(value: Any) -> str | None:
-    """A Param check for ``classes=[...]``: at least two distinct non-empty names (None allowed)."""
-    if value is None:
-        return None
-    if len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
-        return "must list at least two non-empty class names (str), in the model's output order"
-    if len(set(value)) != len(value):
-        return "lists a class twice"
-    return None
-
-
-def check_where(value: Any) -> str | None:
-    """A Param check for ``where={condition: value or [values]}`` (None allowed)."""
-    if value is None:
-        return None
-    for key, val in value.items():
-        if not isinstance(key, str):
-            return f"keys must be condition names (str), got {key!r}"
-        values = val if isinstance(val, (list, tuple)) else [val]
-        if not values or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
-            return f"values of {key!r} must be a value or a non-empty list of values, got {val!r}"
-    return None
-
-
-# ------------------------------------------------------------------------------------- definitions
 
 
 @dataclass(frozen=True)
@@ -294,17 +234,39 @@ def _caller_source(depth: int = 2) -> str:
     return f"{name} ({path})" if path else str(name)
 
 
+class FamilyDeclaration(Protocol):
+    """What :meth:`GateRegistry.add_family` reads of a :class:`~pytest_dnnsafety.gates.family.Family` (its module
+    imports this one, so the registry names only its shape)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def title(self) -> str: ...
+    @property
+    def page(self) -> str: ...
+    @property
+    def order(self) -> int: ...
+    @property
+    def gates(self) -> Sequence[GateDef]: ...
+    @property
+    def plots(self) -> Mapping[str, Callable[..., Any]]: ...
+    def problems(self) -> list[str]: ...
+
+
 class GateRegistry(MutableMapping):
     """The gate markers of one run: marker name -> :class:`GateDef`, each with where it came from.
 
-    ``pytest_dnnsafety_register_gates(registry)`` implementations call :meth:`add`. A marker name
-    registered twice (by different definitions) is an error naming both sources. It is a mapping
-    (``registry["max_pmi_ub"]``, ``in``, iteration in registration order).
+    ``pytest_dnnsafety_register_gates(registry)`` implementations call :meth:`add_family` (a family's
+    gates and plots) or :meth:`add` (one gate). A marker name registered twice (by different
+    definitions) is an error naming both sources, and so is a family name or a plot's details key. It
+    is a mapping (``registry["max_pmi_ub"]``, ``in``, iteration in registration order);
+    :attr:`families` and :attr:`plots` are what its families declared.
     """
 
     def __init__(self, on_add: Callable[[GateDef], None] | None = None) -> None:
         self._gates: dict[str, GateDef] = {}
         self._sources: dict[str, str] = {}
+        self._families: dict[str, tuple[FamilyDeclaration, str]] = {}  # name -> (family, source)
         self._on_add = on_add
 
     def add(self, gate: GateDef, *, source: str | None = None) -> GateDef:
@@ -328,6 +290,48 @@ class GateRegistry(MutableMapping):
         if self._on_add is not None:
             self._on_add(gate)
         return gate
+
+    def add_family(self, family: FamilyDeclaration, *, source: str | None = None) -> FamilyDeclaration:
+        """Register a family: each of its gates as :meth:`add` does, and its plots; the same family twice is a no-op.
+
+        A malformed family, or a family name or plot key taken by another family, is an error naming both sources.
+        """
+        source = source or _caller_source()
+        if not all(hasattr(family, a) for a in ("name", "title", "page", "order", "gates", "plots", "problems")):
+            raise GateDefinitionError(f"registry.add_family() takes a pytest_dnnsafety.Family, got "
+                                      f"{type(family).__name__} (from {source})")
+        problems = family.problems()
+        if problems:
+            raise GateDefinitionError(f"gate family {family.name!r} from {source} is malformed: " + "; ".join(problems)
+                                      + ". Fix the Family.")
+        known = self._families.get(family.name)
+        if known is not None and known[0] is family:
+            return family
+        if known is not None:
+            raise GateDefinitionError(
+                f"gate family {family.name!r} is registered twice: by {known[1]} and by {source}. "
+                "Fix: give one of them another name (or unregister one plugin with -p no:NAME).")
+        for other, other_source in self._families.values():
+            clash = [key for key, plot in family.plots.items() if other.plots.get(key, plot) is not plot]
+            if clash:
+                raise GateDefinitionError(f"plot {clash[0]!r} of gate family {family.name!r} from {source} is drawn "
+                                          f"differently by gate family {other.name!r} from {other_source}. Fix: key "
+                                          "the plot by another details key.")
+        for gate in family.gates:
+            self.add(gate, source=source)
+        self._families[family.name] = (family, source)
+        return family
+
+    @property
+    def families(self) -> dict[str, FamilyDeclaration]:
+        """The registered families by name, in their ``order`` (then by name): the docs navigation's order."""
+        ordered = sorted(self._families.values(), key=lambda pair: (pair[0].order, pair[0].name))
+        return {family.name: family for family, _ in ordered}
+
+    @property
+    def plots(self) -> dict[str, Callable[..., Any]]:
+        """The HTML report's plot table: details key -> plot function, from the families in :attr:`families` order."""
+        return {key: plot for family in self.families.values() for key, plot in family.plots.items()}
 
     def get(self, marker: str, default: Any = None) -> Any:  # type: ignore[override]
         return self._gates.get(marker, default)

@@ -11,9 +11,12 @@ from typing import Any, Mapping
 
 from pytest_dnnsafety.errors import MetricError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
+from pytest_dnnsafety.report.plots import plot_pair_grids
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.settings import TASK_NAMES
-from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import check_where, in_range
 
 __all__ = ["K", "MIN_SCENE_COVERAGE", "pytest_dnnsafety_register_gates"]
 
@@ -63,6 +66,10 @@ MIN_SCENE_COVERAGE = GateDef(
 )
 
 
+#: The coverage family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("coverage", "Scenario coverage", (MIN_SCENE_COVERAGE,), plots={"pair_grids": plot_pair_grids}, order=10)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MIN_SCENE_COVERAGE)
+    registry.add_family(FAMILY)

@@ -1,8 +1,10 @@
 """Built-in gate family: class-level confusion and bias (DeepInspect; Tian et al., ICSE 2020; docs: gates/inspection.md).
 
 ``max_class_confusion(threshold, layer=...)`` and ``max_class_bias(threshold, layer=...)``. The engine is
-:mod:`pytest_dnnsafety.engines.inspection.deepinspect`; the layer's per-channel max/mean/min and the model's
-predictions (and the data's labels) come from the session's shared forward pass
+:mod:`pytest_dnnsafety.engines.inspection.deepinspect`, and what a gate runs for its task (single-label or
+multi-label: the checks, the counts, the rank merging, the value's wording) is
+:class:`~pytest_dnnsafety.engines.inspection.plan.InspectionPlan`; the layer's per-channel max/mean/min and the
+model's predictions (and the data's labels) come from the session's shared forward pass
 (:func:`.shared.activations_for`, :func:`.shared.outputs_for`): a gate on a model, data and layer that
 another gate already ran costs no forward pass, and the activation threshold is applied afterwards, so
 gates with different thresholds share the pass too. Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`) each
@@ -54,221 +56,43 @@ module level.
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Mapping
 
-from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
+from pytest_dnnsafety.report.plots import plot_type2_matrix
 from pytest_dnnsafety.results import Measurement
-from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, class_names, in_range, one_of
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import class_names, in_range, one_of
 from pytest_dnnsafety.gates.shared import activations_for, outputs_for
 
 __all__ = ["MAX_CLASS_CONFUSION", "MAX_CLASS_BIAS", "pytest_dnnsafety_register_gates"]
 
 
-def _check_layer(model: Any, layer: str, marker: str) -> None:
-    """ConfigError naming the layer and the closest names when ``model`` has no such submodule."""
-    from pytest_dnnsafety.engines.core.capture import layer_names  # a torch.export program's: its graph's modules
-    from pytest_dnnsafety.files.pt2_taps import is_exported_module
-
-    if not callable(getattr(model, "named_modules", None)):
-        return  # the cache names the problem (not a torch.nn.Module)
-    names = layer_names(model)
-    if layer in names:
-        return
-    close = difflib.get_close_matches(layer, names, n=3, cutoff=0.5)
-    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-    shown = ", ".join(names[:40]) + (", …" if len(names) > 40 else "")
-    where = ("the torch.export program's graph runs no module of that name. Fix: use a name from the exported "
-             "graph's modules (as in the eager model's named_modules())" if is_exported_module(model) else
-             "the model has no such submodule. Fix: use a name from model.named_modules()")
-    raise ConfigError(f"{marker}: unknown layer {layer!r}{hint}: {where}: {shown}")
-
-
-def output_kind(spec: GateSpec, logits: Any, shard: Any) -> str:
-    """``outputs=`` resolved to 'logits' or 'probabilities' the same on every rank ('auto': probabilities when every
-    output of every rank lies in [0, 1])."""
-    from pytest_dnnsafety.runtime import torchrun as ranks
-
-    kind = spec.options.get("outputs") or "auto"
-    if kind != "auto":
-        return kind
-    inside = bool(((logits >= 0) & (logits <= 1)).all()) if logits.numel() else True
-    return "probabilities" if all(ranks.gather(inside) if shard is not None else [inside]) else "logits"
-
-
-def refuse_multilabel_options(spec: GateSpec, multi: bool) -> None:
-    """A ConfigError when a single-label model is given an option only a multi-label model reads."""
-    if multi:
-        return
-    given = [name for name in ("decision_threshold", "outputs") if spec.options.get(name) is not None]
-    if given:
-        raise ConfigError(f"{spec.marker}: {', '.join(given)} only applies to multi-label models (one probability "
-                          "per class, a class predicted when it reaches the decision threshold); this model is "
-                          "single-label (its labels are class indices). Fix: drop it, or give multi-label data (a "
-                          "(N, classes) 0/1 label matrix) or task='multi-label'.")
-
-
-def _inspect(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, bias: bool) -> tuple[Any, Any]:
-    """The engine's result for this gate's layer and the ground truth (type-1 or type-2 pair matrix; None
-    without labels), from the shared forward pass (sharded under torchrun)."""
-    import torch
-
-    from pytest_dnnsafety.runtime import torchrun as ranks
-    from pytest_dnnsafety.engines.inspection.deepinspect import InspectionEngine
-    from pytest_dnnsafety.engines.inspection.kernels import layer_activity
-    from pytest_dnnsafety.engines.inspection.multilabel import MultiLabelInspectionEngine, type1_pairs
-    from pytest_dnnsafety.engines.core.multilabel import check_label_matrix, predicted_sets
-
-    opts = spec.options
-    multi = ctx.task == "multi-label"
-    refuse_multilabel_options(spec, multi)
-    model, data, layer = fx["model"], fx["data"], opts["layer"]
-    _check_layer(model, layer, spec.marker)
-    classes = list(opts["classes"]) if opts["classes"] is not None else None
-    shard = ctx.shard(data)  # None: the whole data on every rank
-
-    def read() -> tuple[Any, Any, int]:  # this rank's rows of the shared pass, checked
-        acts = activations_for(spec, fx, ctx, [layer], shard=shard)[layer]
-        out = outputs_for(spec, fx, ctx, shard=shard)
-        if multi:
-            check_label_matrix(out, spec.marker, spec.fixtures["data"], required=False)
-        k = out.num_classes
-        if k is not None and classes is not None and len(classes) != k:
-            raise ConfigError(f"{spec.marker}: classes= names {len(classes)} classes but the model has {k} outputs. "
-                              "Fix: name every output, in order.")
-        if not multi:
-            out.check_labels(spec.fixtures["data"], classes)
-        top = -1
-        if k is None and classes is None:  # a label-returning model: the largest class index seen
-            top = int(out.predictions.max() if out.labels is None
-                      else torch.maximum(out.predictions.max(), out.labels.max()))
-        return acts, out, top
-
-    acts, out, top = ranks.together(read, sharded=shard is not None)
-    k = out.num_classes
-    if k is None:  # the names, else the largest class index any rank saw
-        k = len(classes) if classes is not None else max(ranks.gather(top) if shard is not None else [top]) + 1
-    kind = output_kind(spec, out.logits, shard) if multi else None
-    threshold = 0.5 if opts.get("decision_threshold") is None else opts["decision_threshold"]
-
-    def fill() -> Any:  # per-class unit and prediction counts (and label products): sums
-        active = layer_activity(acts, opts["activation_threshold"], reduce=opts["reduce"])
-        device = out.predictions.device
-        labels = out.labels.to(device) if out.labels is not None else None
-        if multi:
-            engine: Any = MultiLabelInspectionEngine(int(active.shape[1]), int(k),
-                                                     threshold=opts["activation_threshold"], device=device)
-            engine.update(active.to(device), predicted_sets(out.logits.to(device), threshold, kind), labels)
-            return engine
-        engine = InspectionEngine(int(active.shape[1]), int(k), threshold=opts["activation_threshold"], device=device)
-        engine.update(active.to(device), out.predictions, labels)
-        return engine
-
-    engine = ranks.merged(fill, shard)
-    options = dict(rule=opts["rule"], top_share=opts["top_share"], bias=bias,
-                   label_filter=opts.get("label_filter", True), classes=classes)
-    if multi:
-        res, truth = engine.compute(**options)
-    else:
-        res = engine.compute(**options)
-        truth = type1_pairs(engine.confusion) if int(engine.labelled) else None
-    if res.unpredicted and opts["unpredicted"] == "error":
-        names = ", ".join(res.classes[i] for i in res.unpredicted)
-        raise MetricError(
-            f"{spec.marker}: class(es) {names} were never predicted on the {res.n_inputs} inputs of fixture "
-            f"{spec.fixtures['data']!r}, so p(n | class) is undefined for them and their confusion with the other "
-            "classes cannot be measured (a class the model never outputs is itself a defect). Fix: check the model "
-            "(e.g. its last layer for these outputs) and give data with inputs of every class; or pass "
-            "unpredicted='exclude' to gate on the other classes only.")
-    return res, truth
-
-
-def _truth_details(res: Any, truth: Any, spec: GateSpec, multi: bool) -> dict[str, Any]:
-    """The ground truth for the details: the pair matrix (K ≤ 64), its worst supported pair, coincidence."""
-    from pytest_dnnsafety.engines.inspection.deepinspect import _json_matrix
-    from pytest_dnnsafety.engines.inspection.multilabel import spearman, worst_pair
-
-    min_support = spec.options["min_support"]
-    value, pair, n_ok, n_bad = worst_pair(truth, min_support)
-    out: dict[str, Any] = {f"{truth.kind}_worst": {
-        "value": None if pair is None else value, "pair": None if pair is None else [res.classes[i] for i in pair],
-        "min_support": min_support, "supported_pairs": n_ok, "unsupported_pairs": n_bad}}
-    if res.num_classes <= 64:
-        out[f"{truth.kind}_matrix"] = _json_matrix(truth.matrix)
-        out[f"{truth.kind}_support"] = truth.support.tolist()
-    if multi and truth.coincidence is not None:
-        if res.num_classes <= 64:
-            out["coincidence"] = _json_matrix(truth.coincidence)
-        out["coincidence_napvd_spearman"] = spearman(res.napvd, truth.coincidence)
-    return out
-
-
-def _base_details(spec: GateSpec, res: Any, by: str, model: Any) -> dict[str, Any]:
-    from pytest_dnnsafety.engines.core.capture import activations_from
-
-    opts = spec.options
-    return {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(model),
-            "unpredicted_policy": opts["unpredicted"], **res.to_details(top=opts["top"], by=by)}
-
-
 def _measure_class_confusion(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Largest class-pair confusion 1 − NAPVD (or the share of confused pairs, or the largest ground-truth
-    type-1/type-2 confusion over the supported pairs) of one layer."""
-    stat = spec.options["statistic"]
-    multi = ctx.task == "multi-label"
-    if stat in ("type1", "type2") and (stat == "type2") != multi:
-        want, task = ("multi-label", "single-label") if stat == "type2" else ("single-label", "multi-label")
-        other = "type1" if stat == "type2" else "type2"
-        raise ConfigError(f"{spec.marker}: statistic={stat!r} is the {want} ground-truth confusion, but this model "
-                          f"is {task} (task {ctx.task!r}). Fix: statistic={other!r} for a {task} model, or give "
-                          f"{want} data (or task='{want}').")
-    res, truth = _inspect(spec, fx, ctx, bias=False)
-    details = {"statistic": stat, "task": ctx.task, **_base_details(spec, res, "confusion", fx["model"]),
-               **(_truth_details(res, truth, spec, multi) if truth is not None else {})}
-    if stat in ("type1", "type2"):
-        return _ground_truth_measurement(spec, res, truth, details)
-    value = res.max_confusion() if stat == "confusion" else res.confused_share()
-    label = "max confusion 1 − NAPVD" if stat == "confusion" else "share of confused pairs"
-    return Measurement(value=value, detail=f"layer {spec.options['layer']}, {label} {value:.4g}; {res.detail()}",
-                       details=details)
+    type-1/type-2 confusion over the supported pairs) of one layer, from the shared forward pass."""
+    from pytest_dnnsafety.engines.inspection.plan import InspectionPlan
 
-
-def _ground_truth_measurement(spec: GateSpec, res: Any, truth: Any, details: dict[str, Any]) -> Measurement:
-    """The largest type-1/type-2 confusion over the pairs with ``min_support`` inputs in each conditioning set."""
-    from pytest_dnnsafety.engines.inspection.multilabel import worst_pair
-
-    stat, layer, min_support = spec.options["statistic"], spec.options["layer"], spec.options["min_support"]
-    if truth is None:
-        raise MetricError(f"{spec.marker}: statistic={stat!r} is measured against the labels, and fixture "
-                          f"{spec.fixtures['data']!r} has none. Fix: give labelled data, or statistic='confusion'.")
-    value, pair, n_ok, n_bad = worst_pair(truth, min_support)
-    what = ("P(both predicted | one present, the other absent)" if stat == "type2"
-            else "P(predicted as the other | true class)")
-    if pair is None:
-        why = (f"no class pair has {min_support} or more inputs in each conditioning set ({what}; {n_bad} pairs "
-               "undefined or below min_support), so the ground-truth confusion cannot be measured. Fix: add labelled "
-               "data with the classes apart (and present), or lower min_support")
-        return Measurement(value=float("nan"), detail=f"layer {layer}, {stat} confusion: no supported pair",
-                           details=details, inconclusive=why)
-    a, b = (res.classes[i] for i in pair)
-    detail = (f"layer {layer}, max {stat} confusion {value:.4g} for {a}–{b} (mean of both directions of {what}); "
-              f"{n_ok} pairs with ≥ {min_support} inputs per condition" + (f", {n_bad} without (not gated)"
-                                                                           if n_bad else ""))
-    return Measurement(value=value, detail=detail, details=details)
+    plan = InspectionPlan.for_task(ctx.task, spec.marker, spec.fixtures["data"], spec.options)
+    layer = spec.options["layer"]
+    res, truth = plan.inspect(fx["model"], lambda shard: (activations_for(spec, fx, ctx, [layer], shard=shard)[layer],
+                                                          outputs_for(spec, fx, ctx, shard=shard)),
+                              ctx.shard(fx["data"]), bias=False)
+    return Measurement(**plan.confusion_report(res, truth, fx["model"]))
 
 
 def _measure_class_bias(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Largest avg_bias over the class pairs of one layer."""
-    refuse_multilabel_options(spec, ctx.task == "multi-label")
-    res, _ = _inspect(spec, fx, ctx, bias=True)
-    value = res.max_bias()  # raises InspectionError (naming the fix) with fewer than three classes
-    details = _base_details(spec, res, "bias", fx["model"])
-    detail = f"layer {spec.options['layer']}, {res.detail(by='bias')}"
-    if res.bias_no_signal is not None:  # every avg_bias 0 because no triplet counted: no evidence, not no bias
-        return Measurement(value=float("nan"), detail=detail, details=details, inconclusive=res.bias_no_signal)
-    return Measurement(value=value, detail=detail, details=details)
+    """Largest avg_bias over the class pairs of one layer, from the shared forward pass."""
+    from pytest_dnnsafety.engines.inspection.plan import InspectionPlan
+
+    plan = InspectionPlan.for_task(ctx.task, spec.marker, spec.fixtures["data"], spec.options)
+    layer = spec.options["layer"]
+    res, _ = plan.inspect(fx["model"], lambda shard: (activations_for(spec, fx, ctx, [layer], shard=shard)[layer],
+                                                      outputs_for(spec, fx, ctx, shard=shard)),
+                          ctx.shard(fx["data"]), bias=True)
+    return Measurement(**plan.bias_report(res, fx["model"]))
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -311,6 +135,8 @@ _TOP = Param("top", (int,), 10, in_range(0, 10**6), "give how many worst pairs t
 
 
 def _decision_threshold(value: Any) -> str | None:
+    if value is None:  # the default, 0.5
+        return None
     values = list(value) if isinstance(value, (list, tuple)) else [value]
     if not values:
         return "is an empty list"
@@ -323,7 +149,7 @@ def _decision_threshold(value: Any) -> str | None:
 #: multi-label only (a single-label model given them is an error): the decision threshold and what the outputs are
 _MULTI = (
     Param("decision_threshold", (int, float, list, tuple, type(None)), None,
-          lambda v: None if v is None else _decision_threshold(v),
+          _decision_threshold,
           "multi-label only: a class is predicted when its probability reaches this; one number in (0, 1) "
           "(default 0.5) or a list with one per class"),
     Param("outputs", (str, type(None)), None,
@@ -378,7 +204,11 @@ MAX_CLASS_BIAS = GateDef(
 )
 
 
+#: The inspection family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("inspection", "Class confusion and bias (DeepInspect)", (MAX_CLASS_CONFUSION, MAX_CLASS_BIAS),
+                plots={"type2_matrix": plot_type2_matrix}, order=90)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MAX_CLASS_CONFUSION)
-    registry.add(MAX_CLASS_BIAS)
+    registry.add_family(FAMILY)

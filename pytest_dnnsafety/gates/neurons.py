@@ -1,7 +1,8 @@
 """Built-in gate family: neuron coverage (``min_neuron_k_activation``, ``max_neuron_pattern_deviation``).
 
-Engines in :mod:`..engines.neurons` and :mod:`..engines.patterns`; layer activations come from the
-session's shared forward pass (:func:`.shared.activations_for`: one pass per model and data).
+Engines in :mod:`pytest_dnnsafety.engines.neurons.kactivation` and :mod:`pytest_dnnsafety.engines.neurons.patterns`;
+layer activations come from the session's shared forward pass (:func:`.shared.activations_for`: one pass per model
+and data).
 
 Under torchrun (:mod:`pytest_dnnsafety.runtime.torchrun`) each rank forwards only its share of the data's
 batches and the engine states are all-reduced (coverage flags: ``or``; the pattern histogram:
@@ -15,75 +16,58 @@ from typing import Any, Mapping
 
 from pytest_dnnsafety.errors import MetricError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
+from pytest_dnnsafety.report.plots import plot_per_neuron_coverage
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.settings import TASK_NAMES
-from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, check_where, in_range, is_finite, one_of
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import check_where, in_range, is_finite, one_of
 from pytest_dnnsafety.gates.coverage import K
-from pytest_dnnsafety.gates.shared import activations_for
+from pytest_dnnsafety.gates.shared import activations_for, merged, scenario_table
 
 __all__ = ["MIN_NEURON_K_ACTIVATION", "MAX_NEURON_PATTERN_DEVIATION", "pytest_dnnsafety_register_gates"]
 
 
 def _measure_neuron_k_activation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer."""
-    from pytest_dnnsafety.runtime import torchrun as ranks
+    """Neuron k-activation coverage (Cheng et al. 2018, §II-B, eq. 2) of one layer; each torchrun rank folds its rows
+    of the shared pass, and the occupied cells are merged (``or``)."""
     from pytest_dnnsafety.engines.core.capture import activations_from
     from pytest_dnnsafety.engines.neurons.kactivation import NeuronKActivationEngine
 
-    opts = spec.options
-    shard = ctx.shard(fx["data"])
+    o = spec.options
 
-    def local() -> NeuronKActivationEngine:
-        acts = activations_for(spec, fx, ctx, [opts["layer"]], shard=shard)[opts["layer"]].reduced(opts["reduce"])
-        engine = NeuronKActivationEngine(acts.shape[1], k=opts["k"],
-                                         activation_threshold=opts["activation_threshold"], device=acts.device)
-        engine.update(acts)
-        return engine
+    def fill(shard: Any) -> NeuronKActivationEngine:  # this rank's rows of the shared pass
+        acts = activations_for(spec, fx, ctx, [o["layer"]], shard=shard)[o["layer"]].reduced(o["reduce"])
+        return NeuronKActivationEngine.of(acts, k=o["k"], activation_threshold=o["activation_threshold"])
 
-    engine = ranks.merged(local, shard)  # occupied cells: or; inputs: sum
-    res = engine.compute()
-    details = {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(fx["model"]), **res.to_details()}
-    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {res.detail()}", details=details)
+    res = merged(spec, fx, ctx, fill).compute()
+    details = {"layer": o["layer"], "reduce": o["reduce"], **activations_from(fx["model"]), **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {o['layer']}, {res.detail()}", details=details)
 
 
 def _measure_pattern_deviation(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario."""
-    from pytest_dnnsafety.runtime import torchrun as ranks
+    """Neuron activation-pattern deviation (Cheng et al. 2018, §II-C, eq. 3), optionally in one scenario (``where``:
+    the rows of the scenario table it selects); each torchrun rank counts its rows, the histograms are summed."""
     from pytest_dnnsafety.engines.core.capture import activations_from
-    from pytest_dnnsafety.engines.neurons.patterns import NeuronPatternEngine
+    from pytest_dnnsafety.engines.neurons.patterns import NeuronPatternEngine, scope
     from pytest_dnnsafety.scenarios import ScenarioTable
 
-    opts = spec.options
-    shard = ctx.shard(fx["data"])
-    scope = "all inputs" if opts["where"] is None else ", ".join(f"{k}={v}" for k, v in opts["where"].items())
+    o = spec.options
+    where = o["where"]
 
-    def local() -> NeuronPatternEngine:
-        acts = activations_for(spec, fx, ctx, [opts["layer"]], shard=shard)[opts["layer"]].reduced(opts["reduce"])
-        if opts["where"] is not None:
-            table = fx["scenarios"]
-            if not isinstance(table, ScenarioTable):
-                raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(table).__name__}, "
-                                  "not a ScenarioTable; `where` needs the scenario table")
-            from pytest_dnnsafety.scenarios import check_rows_match
+    def fill(shard: Any) -> NeuronPatternEngine:  # this rank's rows of the shared pass (of the scenario `where`)
+        acts = activations_for(spec, fx, ctx, [o["layer"]], shard=shard)[o["layer"]].reduced(o["reduce"])
+        if where is not None and not isinstance(fx["scenarios"], ScenarioTable):
+            raise MetricError(f"fixture {spec.fixtures['scenarios']!r} returned {type(fx['scenarios']).__name__}, "
+                              "not a ScenarioTable; `where` needs the scenario table")
+        table = None if where is None else scenario_table(spec, fx, acts.shape[0] if shard is None else shard.n_rows)
+        return NeuronPatternEngine.of(acts, groups=o["groups"], activation_threshold=o["activation_threshold"],
+                                      rows=None if table is None else table.row_mask(where), shard=shard)
 
-            check_rows_match(table, int(acts.shape[0]) if shard is None else shard.n_rows,
-                             table_fixture=spec.fixtures["scenarios"], data_fixture=spec.fixtures["data"])
-            mask = table.row_mask(opts["where"])
-            if shard is not None:  # the table rows of this rank's data rows
-                mask = mask[shard.row_slice]
-            acts = acts[mask.to(acts.device)]
-        engine = NeuronPatternEngine(acts.shape[1], groups=opts["groups"],
-                                     activation_threshold=opts["activation_threshold"], device=acts.device)
-        engine.update(acts)
-        return engine
-
-    engine = ranks.merged(local, shard)  # histogram of active-neuron counts: sum
-    if opts["where"] is not None and int(engine.histogram.sum()) == 0:  # over all ranks' rows
-        raise MetricError(f"no inputs match where={opts['where']!r}; the metric needs at least one")
-    res = engine.compute()
-    details = {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(fx["model"]),
-               "where": opts["where"], **res.to_details()}
-    return Measurement(value=res.value, detail=f"layer {opts['layer']}, {scope}, {res.detail()}", details=details)
+    res = merged(spec, fx, ctx, fill).compute(where=where)
+    details = {"layer": o["layer"], "reduce": o["reduce"], **activations_from(fx["model"]), "where": where,
+               **res.to_details()}
+    return Measurement(value=res.value, detail=f"layer {o['layer']}, {scope(where)}, {res.detail()}", details=details)
 
 
 def _is_layer(value: Any) -> str | None:
@@ -132,7 +116,11 @@ MAX_NEURON_PATTERN_DEVIATION = GateDef(
 )
 
 
+#: The neurons family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("neurons", "Neuron coverage and patterns", (MIN_NEURON_K_ACTIVATION, MAX_NEURON_PATTERN_DEVIATION),
+                plots={"per_neuron_coverage": plot_per_neuron_coverage}, order=20)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MIN_NEURON_K_ACTIVATION)
-    registry.add(MAX_NEURON_PATTERN_DEVIATION)
+    registry.add_family(FAMILY)

@@ -26,8 +26,10 @@ from typing import Any, Mapping
 
 from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.results import Measurement
-from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gates"]
 
@@ -43,8 +45,9 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
     are keyed by the global input index) and the per-input results are all-gathered, so every
     rank gets the single-process result.
     """
-    from pytest_dnnsafety.engines.quantification import quantify_safety
     from pytest_dnnsafety.engines.core.guard import eval_mode
+    from pytest_dnnsafety.engines.quantification import (Certification, GatedRadius, SafetyProperty, SearchBudget,
+                                                         quantify_safety)
 
     opts = spec.options
     certified = opts["certified"]
@@ -53,16 +56,17 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
         raise ConfigError("@pytest.mark.min_safe_radius: statistic='certified' (the default) gates the certified "
                           "radius, but certified=False turns it off. Fix: drop certified=False, or gate the heuristic "
                           "estimate explicitly with statistic='estimate' (not a guarantee).")
-    clip = None if opts["clip"] is None else (float(opts["clip"][0]), float(opts["clip"][1]))
+    safety = SafetyProperty(opts["expression"], d=float(opts["d"]), label=opts["label"], eps=float(opts["eps"]),
+                            norm=opts["norm"], clip=opts["clip"])
+    search = SearchBudget(opts["method"], opts["iterations"], opts["starts"], float(opts["expansion"]),
+                          float(opts["contraction"]), float(opts["mesh_tol"]), ascent_steps=opts["ascent_steps"],
+                          ascent_starts=opts["ascent_starts"])
+    certification = None if method is None else Certification(method, opts["certified_steps"])
+    gated = GatedRadius(opts["statistic"], float(opts["quantile"]), opts["worst"])
     with eval_mode(fx["model"]):
-        result = quantify_safety(
-            fx["model"], fx["data"], opts["expression"], d=float(opts["d"]), label=opts["label"],
-            eps=float(opts["eps"]), norm=opts["norm"], method=opts["method"], iterations=opts["iterations"],
-            starts=opts["starts"], clip=clip, quantile=float(opts["quantile"]), certified=method,
-            worst=opts["worst"], seed=ctx.seed, batch_size=ctx.batch_size, device=ctx.device,
-            outputs=opts["outputs"], expansion=float(opts["expansion"]), contraction=float(opts["contraction"]),
-            mesh_tol=float(opts["mesh_tol"]), bisection_steps=opts["certified_steps"], statistic=opts["statistic"],
-            ascent_steps=opts["ascent_steps"], ascent_starts=opts["ascent_starts"], shard=ctx.shard(fx["data"]))
+        result = quantify_safety(fx["model"], fx["data"], safety, search, certification, gated, seed=ctx.seed,
+                                 batch_size=ctx.batch_size, device=ctx.device, outputs=opts["outputs"],
+                                 shard=ctx.shard(fx["data"]))
     return Measurement(value=result.value, detail=result.detail(), details=result.to_details(),
                        inconclusive=result.inconclusive, contradiction=result.contradiction)
 
@@ -159,6 +163,10 @@ MIN_SAFE_RADIUS = GateDef(
 )
 
 
+#: The quantification family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("quantification", "Safe radius (DeepQuant)", (MIN_SAFE_RADIUS,), order=100)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MIN_SAFE_RADIUS)
+    registry.add_family(FAMILY)

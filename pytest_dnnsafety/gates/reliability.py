@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path, PurePath
 from typing import Any, Callable, Mapping
 
-from pytest_dnnsafety.errors import MetricError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
+from pytest_dnnsafety.report.plots import plot_cells
 from pytest_dnnsafety.results import Measurement
-from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
 
@@ -17,107 +18,38 @@ __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
 def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Upper confidence bound on the pmi (Zhao et al. 2021, eqs. 1–14) under the operational profile.
 
-    Under torchrun each rank samples its contiguous share of the Monte Carlo blocks
-    (``ReliabilityAssessor.sample(model, rank=, world_size=)``; blocks are seeded by index, so the
-    split changes no sample), the per-cell tallies are all-reduced (``sum``) and every rank
-    aggregates the same counts: the single-process result, with the Monte Carlo — the bulk of the
-    work — divided by the number of ranks. Only rank 0 writes ``cells_file``.
+    Under torchrun each rank samples its contiguous share of the Monte Carlo blocks and the per-cell
+    tallies are all-reduced (:func:`~pytest_dnnsafety.engines.reliability.ranks.assess_over_ranks`): the
+    single-process result, with the Monte Carlo — the bulk of the work — divided by the number of
+    ranks. Only rank 0 writes ``cells_file`` (relative to the rootdir, the ini file's folder, like
+    other gate files).
 
-    Grid cells: the labelled data (``dataset``) are read whole, on every rank, and not sharded:
-    ``r̂`` is the smallest distance between differently labelled points (r-separation), and each
-    cell's type and label come from the labelled points inside it. Only their inputs ``x`` and
-    labels ``y`` are kept (one tensor pair; a float ``TensorDataset``'s own tensors are used as
-    they are, a ``DataLoader`` is read once into it), never a second copy.
-
-    Ball cells (``cells="balls"``): a ``DataLoader`` of labelled data — and an operational profile
-    given as a ``DataLoader`` of inputs — is streamed instead, never held whole
-    (:mod:`~pytest_dnnsafety.engines.reliability.streamed`): the pairwise work (r̂, ball types) runs
-    as block nested loops over repeated passes, and per input only its label and the model's
-    prediction are kept. The numbers are those of the same data held.
+    The labelled data (``dataset``) are read whole, on every rank, and not sharded — or, for ball
+    cells (``cells="balls"``), a ``DataLoader`` is streamed, never held whole
+    (:func:`~pytest_dnnsafety.engines.reliability.ranks.labelled_points`). Only what the user set
+    reaches the engine (its defaults equal the marker's), so grid-only and ball-only options never
+    collide; the marker's ``max_queries`` overrides the setting ``dnnsafety_max_queries``. Violated
+    assumptions make the gate inconclusive, contradictions fail it
+    (:meth:`~pytest_dnnsafety.engines.reliability.result.ReliabilityResult.verdict`).
     """
-    import time
+    from pytest_dnnsafety.engines.reliability.options import ReliabilityOptions
+    from pytest_dnnsafety.engines.reliability.ranks import assess_over_ranks, labelled_points
 
-    from pytest_dnnsafety.runtime import torchrun as ranks
-    from pytest_dnnsafety.engines.reliability import ReliabilityAssessor
-    from pytest_dnnsafety.engines.reliability.allocation import QueryCapError
-    from torch.utils.data import DataLoader
-
-    from pytest_dnnsafety.data.forms import as_tensors
-
-    opts = dict(spec.options)
-    data = fx["data"]
-    if opts.get("cells") == "balls" and isinstance(data, DataLoader):
-        labelled: Any = data  # streamed by the engine: read in passes, never held whole (see the docstring)
-    else:  # whole, not sharded: r-separation and the cell labels need every labelled point
-        labelled = as_tensors(data, f"labelled data (fixture {spec.fixtures['data']!r})")
-    if isinstance(labelled, tuple) and labelled[1] is None:
-        raise MetricError(f"fixture {spec.fixtures['data']!r} has no labels; the pmi needs labelled points "
-                          "for r-separation and cell labels. Fix: provide (x, y)")
-    # Only what the user set reaches the engine (its defaults equal the marker's); grid-only and
-    # ball-only options then never collide.
+    opts = spec.options
+    labelled = labelled_points(fx["data"], opts["cells"], spec.fixtures["data"])
     defaults = {param.name: param.default for param in spec.definition.params}
-    given = {k: v for k, v in opts.items() if v != defaults[k]}
-    for key in ("box", "clip"):
-        if given.get(key) is not None:
-            given[key] = tuple(given[key])
-    if given.get("failures") is not None:
-        given["failures"] = [tuple(pair) for pair in given["failures"]]
-    compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
-    given.pop("compare_methods", None)
-    cells_file = given.pop("cells_file", None)
-    given.pop("max_queries", None)  # the marker keyword overrides the setting dnnsafety_max_queries
+    given = {k: v for k, v in opts.items() if v != defaults[k] and k not in ("compare_methods", "cells_file",
+                                                                             "max_queries")}
     cap = (ctx.settings.get("max_queries", opts["max_queries"], marker=spec.marker)
-           if opts.get("max_queries") is not None else ctx.settings.get("max_queries"))
-    started = time.perf_counter()
-    world = ranks.world_size()
-    try:  # a plan above the cap is refused before it is sampled
-        assessor = ReliabilityAssessor(fx["profile"], labelled, compare_methods=compare, seed=ctx.seed,
-                                       device=ctx.device, max_queries=cap.value, **given)
-        engine = ranks.together(lambda: assessor.sample(fx["model"], rank=ranks.rank(), world_size=world),
-                                sharded=world > 1)
-    except QueryCapError as exc:
-        raise exc.with_source(cap.source) from None
-    queries = assessor.queries
-    if world > 1:
-        engine.sync()  # per-cell class tallies: sum
-        # Every rank ran the (deterministic) pilot in full: count it once, as one process would.
-        pilot = int(getattr(assessor, "queries_pilot", 0) or 0)
-        queries = sum(ranks.gather(int(queries))) - (world - 1) * pilot
-    result = assessor.finish(engine, model_queries=queries)
-    result = replace(result, seconds=time.perf_counter() - started)
-    if cells_file is not None:
-        # the per-cell audit table, relative to the rootdir (the ini file's folder) like other gate files
-        path = Path(str(cells_file)).expanduser()
-        path = path if path.is_absolute() else ctx.settings.ini_dir / path
-        if ranks.is_main():  # one writer under torchrun; every rank reports the same path
-            path = result.write_cells(path)
-        result = replace(result, cells_file=str(path))
-    return _pmi_measurement(result)
-
-
-def _pmi_measurement(result: Any) -> Measurement:
-    """A :class:`ReliabilityResult` as a Measurement: contradictions fail, violated assumptions are inconclusive.
-
-    * ``contradiction`` — the labelled data refute the bound (the model's labelled error is above
-      ``Ub`` at the gate's confidence, or the model's vote, Assumption 5, is refuted where labels
-      are known): the gate fails whatever the comparison.
-    * ``inconclusive`` — an assumption of the method is violated (``ε``/radius ``≥ r̂``, labelled
-      points outside the box, cross-boundary cells), unless the marker says
-      ``accept_violated_assumptions=True``: then the bound is compared and the detail says so.
-    """
-    details = result.to_details()
-    detail = result.detail()
-    contradiction = "; ".join(result.contradictions) or None
-    inconclusive = None
-    if result.violations:
-        joined = "; ".join(result.violations)
-        if result.violations_accepted:
-            detail += f"; VIOLATED ASSUMPTIONS ACCEPTED (accept_violated_assumptions=True): {joined}"
-        else:
-            inconclusive = (f"violated assumption(s) of the reliability method: {joined}. The bound is not evidence "
-                            f"until they hold (or, knowingly, accept_violated_assumptions=True)")
-    return Measurement(value=result.E, bound=result.Ub, detail=detail, details=details,
-                       inconclusive=inconclusive, contradiction=contradiction)
+           if opts["max_queries"] is not None else ctx.settings.get("max_queries"))
+    cells_file = (None if opts["cells_file"] is None  # relative to the rootdir, like other gate files
+                  else ctx.settings.ini_dir / Path(str(opts["cells_file"])).expanduser())
+    compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
+    options = ReliabilityOptions.of(**given, compare_methods=compare, seed=ctx.seed, device=ctx.device,
+                                    max_queries=cap.value)
+    result = assess_over_ranks(fx["model"], fx["profile"], labelled, options, cells_file=cells_file,
+                               cap_source=cap.source)
+    return Measurement(value=result.E, bound=result.Ub, details=result.to_details(), **result.verdict())
 
 
 #: The bound methods the marker accepts (checked against ``stats.METHODS`` by a test; no torch here).
@@ -161,8 +93,8 @@ def _none_or_positive(value: Any) -> str | None:
     return None if value is None or value >= 1 else f"{value!r} must be >= 1"
 
 
-def _none_or_at_least(low: int) -> Callable[[Any], str | None]:
-    return lambda value: None if value is None or value >= low else f"{value!r} must be >= {low}"
+def _none_or_at_least_two(value: Any) -> str | None:
+    return None if value is None or value >= 2 else f"{value!r} must be >= 2"
 
 
 def _none_or_open_unit(value: Any) -> str | None:
@@ -191,7 +123,7 @@ MAX_PMI_UB = GateDef(
         Param("allocation", (str,), "uniform", one_of("uniform", "proportional", "adaptive"),
               "uniform, proportional to cell mass, or adaptive (a pilot, then the queries where they tighten "
               "the bound)"),
-        Param("query_budget", (int, type(None)), None, _none_or_at_least(2),
+        Param("query_budget", (int, type(None)), None, _none_or_at_least_two,
               "total Monte Carlo queries of allocation='adaptive' (pilot included), e.g. 1_000_000; None: "
               "samples_per_cell x cells"),
         Param("target_width", (int, float, type(None)), None, _none_or_open_unit,
@@ -248,8 +180,10 @@ MAX_PMI_UB = GateDef(
 )
 
 
+#: The reliability family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("reliability", "Reliability (pmi)", (MAX_PMI_UB,), plots={"cells_plot": plot_cells}, order=30)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MAX_PMI_UB)
-
-
+    registry.add_family(FAMILY)

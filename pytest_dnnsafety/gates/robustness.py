@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.gates.hookspecs import hookimpl
+from pytest_dnnsafety.gates.family import Family
+from pytest_dnnsafety.report.plots import plot_families, plot_verdicts
 from pytest_dnnsafety.results import Measurement
-from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param, in_range, is_interval, one_of
+from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = [
     "MAX_ADVERSARIAL_CONFIDENCE_LOSS", "MIN_ROBUST_ACCURACY", "MIN_VERIFIED_ROBUSTNESS",
@@ -34,195 +36,34 @@ __all__ = [
 ]
 
 
-def _family_key(family: Any) -> str:
-    from pytest_dnnsafety.engines.robustness.perturbations import family_name
+def _measure_attack(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """``max_adversarial_confidence_loss``: the adversarial confidence loss −M_adv (Cheng et al. 2018, §II-D,
+    eq. 4) over the marker's families, inconclusive when it carries no signal
+    (:meth:`~..engines.robustness.plan.ClassifierAttack.no_signal`: a clean accuracy not above chance; a detector
+    that detects no object). ``min_robust_accuracy``: the share of inputs classified correctly clean and under
+    every family (the worst case per input). Gates with the same families share one run."""
+    from pytest_dnnsafety.engines.robustness.plan import AttackPlan
 
-    return family_name(family)
-
-
-def _families(spec: GateSpec) -> dict[str, Any]:
-    """The marker's families as name -> callable, each with its budget checked."""
-    from pytest_dnnsafety.engines.robustness.perturbations import make_family
-
-    opts = spec.options
-    out: dict[str, Any] = {}
-    for item in opts["families"]:
-        if isinstance(item, str):
-            options = {"steps": opts["steps"]} if item.startswith("pgd") else {}
-            family = make_family(item, clip=_clip(opts), outputs=opts["outputs"], **options)
-        else:
-            family = item
-        name = _family_key(family)
-        if name in out:
-            raise ConfigError(f"{spec.marker}: family {name!r} is listed twice in families=. Fix: list it once.")
-        out[name] = family
-    unknown = sorted(set(opts["budgets"] or {}) - set(out))
-    if unknown:
-        raise ConfigError(f"{spec.marker}: budgets= names {unknown}, which are not in families={list(out)}. Fix: "
-                          f"give budgets only for listed families.")
-    return out
-
-
-def _budgets(spec: GateSpec, names: list[str]) -> dict[str, float]:
-    opts = spec.options
-    given = dict(opts["budgets"] or {})
-    missing = [name for name in names if name not in given and opts["eps"] is None]
-    if missing:
-        raise ConfigError(f"{spec.marker}: no budget for {missing}: eps= is not set and budgets= does not name "
-                          f"them. Fix: give eps=... (the budget of every family) or budgets={{name: value}}.")
-    return {name: float(given.get(name, opts["eps"])) for name in names}
-
-
-def _clip(opts: Mapping[str, Any]) -> tuple[float, float] | None:
-    return None if opts["clip"] is None else (float(opts["clip"][0]), float(opts["clip"][1]))
-
-
-def _adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
-    """The adversarial confidence result of the gate's model, data and families (shared between gates).
-
-    Memoised by the objects (model, data, the user's family callables) and the values that set the
-    measurement; under torchrun each rank measures its shard of the batches (:meth:`GateContext.shard`).
-    """
-    from pytest_dnnsafety.engines.robustness.confidence import assess_adversarial_confidence
-
-    if ctx.task == "detection":
-        return _detector_adversarial(spec, fx, ctx)
-    families = _families(spec)
-    budgets = _budgets(spec, list(families))
-    opts = spec.options
-    callables = tuple(item for item in opts["families"] if not isinstance(item, str))
-    values = (tuple(budgets.items()), tuple(item if isinstance(item, str) else None for item in opts["families"]),
-              _clip(opts), opts["outputs"], opts["steps"], ctx.seed, ctx.batch_size, ctx.device)
-    return ctx.memo("robustness.adversarial", (fx["model"], fx["data"], *callables), values, lambda: (
-        assess_adversarial_confidence(fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size,
-                                      device=ctx.device, seed=ctx.seed, clip=_clip(opts), outputs=opts["outputs"],
-                                      shard=ctx.shard(fx["data"]))))
-
-
-def _detector_adversarial(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Any:
-    """A detector's adversarial confidence per ground-truth object (shared between the two empirical gates)."""
-    from pytest_dnnsafety.engines.robustness.detector import assess_detector_confidence
-
-    opts = spec.options
-    if opts["outputs"] != "auto":
-        raise ConfigError(f"{spec.marker}: outputs={opts['outputs']!r} is for classifiers; a detector's confidence is "
-                          "its matched detection score (task='detection'). Fix: drop outputs= for a detector.")
-    families = _families(spec)
-    budgets = _budgets(spec, list(families))
-    callables = tuple(item for item in opts["families"] if not isinstance(item, str))
-    values = (tuple(budgets.items()), tuple(item if isinstance(item, str) else None for item in opts["families"]),
-              _clip(opts), float(opts["iou"]), ctx.seed, ctx.batch_size, ctx.device)
-    return ctx.memo("robustness.adversarial (detection)", (fx["model"], fx["data"], *callables), values, lambda: (
-        assess_detector_confidence(fx["model"], fx["data"], families, budgets, batch_size=ctx.batch_size,
-                                   device=ctx.device, seed=ctx.seed, clip=_clip(opts), iou=float(opts["iou"]),
-                                   shard=ctx.shard(fx["data"]))))
-
-
-def _no_detection(result: Any) -> str | None:
-    """A detector's loss carries no signal when it detects no object on the clean images (nothing to lose)."""
-    if result.clean_accuracy > 0:
-        return None
-    return (f"the detector detects none of the {result.n} ground-truth objects on the clean images (no matched "
-            "score reaches 0.5), so it has no confidence to lose and its loss (M_adv, Cheng et al. 2018 eq. 4) "
-            "would say nothing about robustness. Fix: check the detector (weights loaded? boxes in pixels x1, y1, "
-            "x2, y2? the data's classes?) and gate robustness on a detector that finds the objects")
-
-
-def _setup(spec: GateSpec) -> str:
-    opts = spec.options
-    parts = [f"ε={opts['eps']:g}" if opts["eps"] is not None else "per-family budgets"]
-    if opts["budgets"]:
-        parts.append(", ".join(f"{k}={v:g}" for k, v in opts["budgets"].items()))
-    if opts["clip"] is not None:
-        parts.append(f"clip=[{opts['clip'][0]:g}, {opts['clip'][1]:g}]")
-    return "; ".join(parts)
-
-
-#: One-sided confidence of the lower bound on the clean accuracy that must exceed chance (no-signal check).
-CHANCE_CONFIDENCE = 0.95
-
-
-def _at_chance(result: Any) -> str | None:
-    """Why the confidence loss carries no signal: the clean accuracy is not above chance, else None.
-
-    Eq. (4) of Cheng et al. 2018 averages the drop of ``NN(in)``, the model's probability of the true
-    class. A model whose clean decisions are no better than always answering the most frequent label
-    (a random-output, constant or untrained model) has no true-class confidence to lose: its loss is
-    about 0 however fragile it is. So the one-sided 95 % Clopper–Pearson lower bound on the clean
-    accuracy must exceed that chance accuracy (the share of the most frequent label).
-    """
-    from pytest_dnnsafety.stats.intervals import clopper_pearson_lower
-
-    chance = result.chance_accuracy
-    if chance is None:
-        return None
-    correct = round(result.clean_accuracy * result.n)
-    lower = float(clopper_pearson_lower([correct], result.n, CHANCE_CONFIDENCE)[0])
-    if lower > chance:
-        return None
-    return (f"the model's clean accuracy {result.clean_accuracy:.3f} ({correct}/{result.n}; "
-            f"{CHANCE_CONFIDENCE:.0%} lower bound {lower:.3f}) is not above chance ({chance:.3f}, the share of the "
-            "most frequent label), so its true-class probabilities carry no signal and their drop under "
-            "perturbation (M_adv, Cheng et al. 2018 eq. 4) is meaningless: a loss near 0 would say nothing about "
-            "robustness. Fix: check the model (weights loaded? the right model for this data?) and the data's "
-            "labels; gate robustness on a model that is better than chance")
-
-
-def _measure_confidence_loss(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Adversarial confidence loss −M_adv (Cheng et al. 2018, §II-D, eq. 4) over the marker's families.
-
-    Inconclusive when the clean accuracy is not above chance (:func:`_at_chance`): no signal, no pass.
-    """
-    result = _adversarial(spec, fx, ctx)
-    details = {**result.to_details(), "setup": _setup(spec)}
-    if ctx.task == "detection":
-        details.update(units="ground-truth objects", confidence="matched score", iou=float(spec.options["iou"]))
-        return Measurement(value=result.loss, detail=f"{_setup(spec)}: per object (matched score) {result.detail()}",
-                           details=details, inconclusive=_no_detection(result))
-    return Measurement(value=result.loss, detail=f"{_setup(spec)}: {result.detail()}", details=details,
-                       inconclusive=_at_chance(result))
-
-
-def _measure_robust_accuracy(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Share of inputs classified correctly clean and under every family (the worst case per input)."""
-    result = _adversarial(spec, fx, ctx)
-    per_family = ", ".join(f"{name} {acc:.3f}" for name, acc in zip(result.family_names, result.robust_accuracy))
-    if ctx.task == "detection":
-        detail = (f"{_setup(spec)}: {result.robust_accuracy_all:.3f} of the ground-truth objects detected (matched "
-                  f"score ≥ 0.5) clean and under every family (clean {result.clean_accuracy:.3f}; {per_family}), "
-                  f"n={result.n} objects")
-        details = {**result.to_details(), "setup": _setup(spec), "units": "ground-truth objects"}
-        return Measurement(value=result.robust_accuracy_all, detail=detail, details=details)
-    detail = (f"{_setup(spec)}: robust accuracy {result.robust_accuracy_all:.3f} under all families "
-              f"(clean {result.clean_accuracy:.3f}; {per_family}), n={result.n}")
-    details = {**result.to_details(), "setup": _setup(spec)}
-    return Measurement(value=result.robust_accuracy_all, detail=detail, details=details)
+    plan = AttackPlan.for_task(ctx.task, spec.marker, spec.options)
+    result = ctx.memo(plan.memo_name, (fx["model"], fx["data"], *plan.callables),
+                      plan.key(ctx.seed, ctx.batch_size, ctx.device),
+                      lambda: plan.assess(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device,
+                                          seed=ctx.seed, shard=ctx.shard(fx["data"])))
+    if spec.marker == "min_robust_accuracy":
+        return Measurement(value=result.robust_accuracy_all, **plan.accuracy_report(result))
+    return Measurement(value=result.loss, inconclusive=plan.no_signal(result), **plan.loss_report(result))
 
 
 def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
     """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
-    from pytest_dnnsafety.engines.bounds.export import bounds_model_note
-    from pytest_dnnsafety.engines.robustness.verification import verify_robustness
-    from pytest_dnnsafety.engines.core.guard import eval_mode
+    from pytest_dnnsafety.engines.robustness.plan import VerificationPlan
 
     opts = spec.options
-
-    def measure() -> Any:
-        with eval_mode(fx["model"]):
-            return verify_robustness(fx["model"], fx["data"], float(opts["eps"]), method=opts["method"],
-                                     clip=_clip(opts), batch_size=ctx.batch_size, device=ctx.device, seed=ctx.seed,
-                                     attack_steps=opts["attack_steps"], shard=ctx.shard(fx["data"]),
-                                     max_memory=opts["max_memory"])
-
-    # max_memory is not in the key: chunking never changes the bounds, so gates differing only in it share one run
-    values = (float(opts["eps"]), opts["method"], _clip(opts), opts["attack_steps"], ctx.seed, ctx.batch_size,
-              ctx.device)
-    result = ctx.memo("robustness.verified", (fx["model"], fx["data"]), values, measure)
-    details = result.to_details()
-    note = bounds_model_note(fx["model"])  # a torch.export program: the bounds are its translated ATen graph's
-    if note:
-        details["bounds_model"] = note
-    return Measurement(value=result.verified_share, detail=result.detail(), details=details)
+    plan = VerificationPlan(opts["eps"], opts["method"], opts["clip"], opts["attack_steps"], opts["max_memory"])
+    result = ctx.memo(plan.memo_name, (fx["model"], fx["data"]), plan.key(ctx.seed, ctx.batch_size, ctx.device),
+                      lambda: plan.verify(fx["model"], fx["data"], batch_size=ctx.batch_size, device=ctx.device,
+                                          seed=ctx.seed, shard=ctx.shard(fx["data"])))
+    return Measurement(value=result.verified_share, detail=result.detail(), details=plan.details(result, fx["model"]))
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -302,7 +143,7 @@ MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
     threshold_range=(0.0, 1.0),
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
-    measure=_measure_confidence_loss,
+    measure=_measure_attack,
     tasks=("single-label", "detection"),
     shards=True,  # each rank its share of the batches (seeded by the global batch), states all-reduced
     doc="fail if the mean over inputs of the worst family's drop in the true class's probability exceeds "
@@ -316,7 +157,7 @@ MIN_ROBUST_ACCURACY = GateDef(
     threshold_range=(0.0, 1.0),
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
-    measure=_measure_robust_accuracy,
+    measure=_measure_attack,
     tasks=("single-label", "detection"),
     shards=True,  # shares the confidence-loss measurement and its shard
     doc="fail unless at least `threshold` of the inputs are classified correctly clean and under every "
@@ -349,8 +190,12 @@ MIN_VERIFIED_ROBUSTNESS = GateDef(
 )
 
 
+#: The robustness family, declared once: its gates, its docs title and the plots of their details.
+FAMILY = Family("robustness", "Robustness",
+                (MAX_ADVERSARIAL_CONFIDENCE_LOSS, MIN_ROBUST_ACCURACY, MIN_VERIFIED_ROBUSTNESS),
+                plots={"families": plot_families, "verdicts": plot_verdicts}, order=40)
+
+
 @hookimpl(tryfirst=True)  # built-ins first: a later duplicate names them as the first source
 def pytest_dnnsafety_register_gates(registry: GateRegistry) -> None:
-    registry.add(MAX_ADVERSARIAL_CONFIDENCE_LOSS)
-    registry.add(MIN_ROBUST_ACCURACY)
-    registry.add(MIN_VERIFIED_ROBUSTNESS)
+    registry.add_family(FAMILY)

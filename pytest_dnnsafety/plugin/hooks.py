@@ -250,7 +250,8 @@ def fault_data(pytestconfig: pytest.Config, dataset: Any, dnnsafety_settings: Se
     The same seeded data the monitor gates use (shared through the session cache), e.g.
     ``fault_data("gaussian_noise", 3)``; adversarial families also need ``model=``.
     """
-    from pytest_dnnsafety.gates.monitors import fault_set
+    from pytest_dnnsafety.gates.core import GateContext
+    from pytest_dnnsafety.gates.shared import activation_cache
     from pytest_dnnsafety.runtime.devices import resolve_device
 
     cache = _plugin(pytestconfig).cache
@@ -260,8 +261,12 @@ def fault_data(pytestconfig: pytest.Config, dataset: Any, dnnsafety_settings: Se
 
     def make(family: str, severity: int = 3, *, model: Any = None, clip: Any = (0.0, 1.0)) -> Any:
         with _setup_errors("fault_data"):
-            return fault_set(cache, dataset, family, severity, seed=seed, model=model, batch_size=batch_size,
-                             device=device, clip=clip)
+            from pytest_dnnsafety.engines.monitors.session import MonitorSession
+
+            ctx = GateContext(settings=None, seed=seed, device=device,  # type: ignore[arg-type]
+                              batch_size=batch_size, cache=cache)
+            session = MonitorSession(ctx.memo, activation_cache(ctx), seed=seed, batch_size=batch_size, device=device)
+            return session.fault_set(dataset, family, severity, model=model, clip=clip)
 
     return make
 

@@ -23,7 +23,10 @@ and nothing is recomputed. It holds:
   one), ``ranking`` (monitors ranked over benchmarks: Demšar's critical-difference diagram),
   ``map_groups`` (detection mAP: one bar per scenario group with its bootstrap interval and the gated
   lower bound marked) and ``type2_matrix`` with ``classes`` (multi-label class confusion: the K × K
-  type-2 pair matrix as a heat map, undefined pairs grey).
+  type-2 pair matrix as a heat map, undefined pairs grey). Those are the built-in families' plots; a
+  run passes the plot table its families declare (``plots=``, details key -> plot function of
+  :mod:`.plots`), so a family of a plugin or ``conftest.py`` adds its own. Without a table the
+  built-in plots are drawn.
 
 Self-contained: the plots are inline SVG (matplotlib, Agg backend, text as ``<text>``, the XML
 prologue and namespace URLs removed, ids made unique per plot), styles and the small script are
@@ -43,11 +46,12 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.results import STATUSES, format_numbers
-from pytest_dnnsafety.report.plots import _number, _plots  # the plots of a card (matplotlib, inline SVG)
+from pytest_dnnsafety.report.drawings import number as as_number
+from pytest_dnnsafety.report.plots import BUILTIN_PLOTS, PlotFn, _plots  # a card's plots (inline SVG)
 
 __all__ = ["EXTRA_MESSAGE", "require_html_extra", "check_html_path", "render_html", "write_html", "VERDICT_ORDER"]
 
@@ -92,11 +96,14 @@ def check_html_path(path: Path) -> None:
     prepare_evidence_path(path)
 
 
-def write_html(path: Path, evidence: dict[str, Any]) -> Path:
-    """Render ``evidence`` (from ``build_evidence``) and write the page atomically to ``path``."""
+def write_html(path: Path, evidence: dict[str, Any], plots: Mapping[str, PlotFn] | None = None) -> Path:
+    """Render ``evidence`` (from ``build_evidence``) and write the page atomically to ``path``.
+
+    ``plots``: the run's plot table (details key -> plot function); None draws the built-in plots.
+    """
     from pytest_dnnsafety.report.evidence import write_text_atomic
 
-    return write_text_atomic(Path(path), render_html(evidence))
+    return write_text_atomic(Path(path), render_html(evidence, plots))
 
 
 # -- numbers and text -------------------------------------------------------------------------
@@ -106,7 +113,7 @@ def _fmt(value: Any) -> str:
         return "–"
     if isinstance(value, bool):
         return str(value).lower()
-    number = _number(value)
+    number = as_number(value)
     if number is None:
         return str(value)
     if isinstance(value, int):
@@ -138,10 +145,6 @@ def _scalar(value: Any) -> bool:
 
 
 # -- the page ---------------------------------------------------------------------------------
-
-_PLOTTED = ("pair_grids", "per_neuron_coverage", "cells_plot", "families", "faults", "ranking", "map_groups",
-            "type2_matrix")
-
 
 def _inputs(inputs: Any) -> list[dict[str, Any]]:
     """A gate's inputs as rows: role, fixture, origin lines, type, digest, other facts."""
@@ -182,8 +185,8 @@ def _inputs(inputs: Any) -> list[dict[str, Any]]:
 
 def _gauge(gate: dict[str, Any]) -> dict[str, float] | None:
     """Positions (in %) of the compared number and the threshold on a 0..1 scale, if both lie there."""
-    compared = _number(gate.get("bound")) if gate.get("bound") is not None else _number(gate.get("value"))
-    threshold = _number(gate.get("threshold"))
+    compared = as_number(gate.get("bound")) if gate.get("bound") is not None else as_number(gate.get("value"))
+    threshold = as_number(gate.get("threshold"))
     if compared is None or threshold is None or not (0 <= compared <= 1 and 0 <= threshold <= 1):
         return None
     return {"value": round(compared * 100, 2), "threshold": round(threshold * 100, 2)}
@@ -197,11 +200,11 @@ def _traceback(value: Any) -> str | None:
     return str(value)
 
 
-def _card(gate: dict[str, Any], index: int) -> dict[str, Any]:
+def _card(gate: dict[str, Any], index: int, table: Mapping[str, PlotFn]) -> dict[str, Any]:
     status = str(gate.get("status", ""))
     verdict, css = VERDICTS.get(status, (status.upper() or "?", "unknown"))
     details = gate.get("details") if isinstance(gate.get("details"), dict) else {}
-    plots, notes = _plots(details, index)
+    plots, notes = _plots(details, index, table)
     op = gate.get("op")
     symbol = {">=": "≥", "<=": "≤"}.get(op, op or "")
     has_bound = gate.get("bound") is not None
@@ -212,8 +215,9 @@ def _card(gate: dict[str, Any], index: int) -> dict[str, Any]:
         problem = {k: details[k] for k in ("error_type", "error", "reason", "violations", "traceback")
                    if details.get(k) not in (None, "", [])}
     scalars = [(k, _fmt(v)) for k, v in details.items() if _scalar(v) and k not in ("traceback",)]
-    nested = [(k, _json(v)) for k, v in details.items() if not _scalar(v) and k not in _PLOTTED]
-    plotted = [(k, _json(details[k])) for k in _PLOTTED if k in details]
+    # the data of the plots is kept as JSON under the card, apart from the other nested details
+    nested = [(k, _json(v)) for k, v in details.items() if not _scalar(v) and k not in table]
+    plotted = [(k, _json(details[k])) for k in table if k in details]
     baseline = gate.get("baseline") if isinstance(gate.get("baseline"), dict) else None
     value, bound, threshold, compared_text = _fmt_row(gate.get("value"), gate.get("bound"), gate.get("threshold"),
                                                       compared)
@@ -262,8 +266,9 @@ def _ordered(gates: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]
     return sorted(indexed, key=lambda pair: (rank.get(pair[1].get("status"), -1), pair[0]))
 
 
-def render_html(evidence: dict[str, Any]) -> str:
-    """The page for ``evidence`` as a string (see the module docstring)."""
+def render_html(evidence: dict[str, Any], plots: Mapping[str, PlotFn] | None = None) -> str:
+    """The page for ``evidence`` as a string (see the module docstring); ``plots``: the run's plot table
+    (details key -> plot function), None for the built-in plots."""
     jinja2, _ = require_html_extra()
     template_text = resources.files(__package__).joinpath("templates", "report.html.j2").read_text("utf-8")
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
@@ -272,7 +277,8 @@ def render_html(evidence: dict[str, Any]) -> str:
     template = env.from_string(template_text)
 
     gates = [g for g in evidence.get("gates", []) if isinstance(g, dict)]
-    cards = [_card(gate, index) for index, gate in _ordered(gates)]
+    table = BUILTIN_PLOTS if plots is None else plots
+    cards = [_card(gate, index, table) for index, gate in _ordered(gates)]
     summary = evidence.get("summary") or {}
     counts = [{"status": s, "verdict": VERDICTS[s][0], "css": VERDICTS[s][1],
                "count": summary.get(s, sum(g.get("status") == s for g in gates))} for s in VERDICT_ORDER]

@@ -10,11 +10,13 @@ the terminal section names the file. Nothing here imports torch or pytest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pytest_dnnsafety.errors import DnnSafetyError
 from pytest_dnnsafety.results import STATUSES, GateResult
+from pytest_dnnsafety.report.plots import PlotFn
 
 __all__ = ["Targets", "Written", "write_outputs", "junit_properties"]
 
@@ -31,6 +33,9 @@ class Targets:
     #: ``dnnsafety_junit_properties``: one property per gate number on each testcase too
     junit_testcase_properties: bool = False
     junit_prefix: str | None = None
+    #: the HTML page's plot table (details key -> plot function of :mod:`.plots`), from the run's gate
+    #: families; None draws the built-in plots
+    plots: Mapping[str, PlotFn] | None = None
 
 
 @dataclass
@@ -46,10 +51,10 @@ class Written:
     step_summary_error: str | None = None
 
 
-def _write_html(path: Path, evidence: dict[str, Any]) -> Path:
+def _write_html(path: Path, evidence: dict[str, Any], plots: Mapping[str, PlotFn] | None = None) -> Path:
     from pytest_dnnsafety.report.html import write_html  # jinja2 and matplotlib only when a page is asked for
 
-    return write_html(path, evidence)
+    return write_html(path, evidence, plots)
 
 
 def junit_properties(rows: Sequence[GateResult], environment: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +83,7 @@ def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost:
     evidence = build_evidence(rows, environment, lost)  # one dict for every output
     files: list[tuple[Path | None, Callable[[Path, dict[str, Any]], Path], str]] = [
         (targets.evidence, write_evidence, "evidence_path"),
-        (targets.html, _write_html, "html_path"),
+        (targets.html, partial(_write_html, plots=targets.plots), "html_path"),
         (targets.baseline, save_baseline, "baseline_path"),
     ]
     for target, write, attribute in files:

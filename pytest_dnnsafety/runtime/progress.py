@@ -4,7 +4,7 @@ Engines call :func:`tick` in their batch loops; it costs one global lookup when 
 active, so it is safe in hot loops and in code that runs outside pytest. A gate is wrapped in
 :func:`active`, which installs a reporter for the block::
 
-    from pytest_dnnsafety import progress
+    from pytest_dnnsafety.runtime import progress
 
     with progress.active(f"{marker} {nodeid}", progress.writer_for(config)):
         for i, batch in enumerate(batches):

@@ -20,35 +20,23 @@ Counting is done by :class:`~pytest_dnnsafety.engines.coverage.scenario.Scenario
 
 from __future__ import annotations
 
-# The submodules hold one concept each; this package re-exports every name of the former single
-# module ``scenarios.py``, private helpers included. ``EXACT_FEASIBILITY_LIMIT`` is read from here
-# at run time, so setting ``pytest_dnnsafety.scenarios.EXACT_FEASIBILITY_LIMIT`` still takes effect.
+# The public names of the scenarios layer (the submodules hold one concept each). ``EXACT_FEASIBILITY_LIMIT`` is
+# read from here at run time, so setting ``pytest_dnnsafety.scenarios.EXACT_FEASIBILITY_LIMIT`` takes effect.
 from pytest_dnnsafety.scenarios.conditions import (
-    _ENUM_CHUNK,
     EXACT_FEASIBILITY_LIMIT,
     Conditions,
     Where,
-    _as_value_list,
-    _coerce_value,
-    _prefix,
-    _product_codes,
-    _toml_module,
 )
 from pytest_dnnsafety.scenarios.proposals import (
-    _GreedyBuilder,
-    _propose,
     scenario_strategy,
 )
 from pytest_dnnsafety.scenarios.result import (
     CoverageResult,
     SubsetCoverage,
-    _format_where,
     pair_grids,
 )
 from pytest_dnnsafety.scenarios.table import (
     ScenarioTable,
-    _check_code_tensor,
-    _format_violation,
     check_rows_match,
     count_samples,
 )
@@ -59,6 +47,9 @@ __all__ = [
     "CoverageResult",
     "ScenarioTable",
     "SubsetCoverage",
+    "Where",
+    "pair_grids",
+    "scenario_strategy",
     "check_rows_match",
     "count_samples",
 ]

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from pytest_dnnsafety.stats import intervals as stats
-from pytest_dnnsafety.engines.reliability import CROSS, ReliabilityAssessor, ReliabilityWarning
+from pytest_dnnsafety.engines.reliability import CROSS, ReliabilityAssessor, ReliabilityOptions, ReliabilityWarning
 
 pytest.importorskip("sklearn")
 
@@ -57,8 +57,9 @@ def _problem():
 def _assess(model, x_op, labelled, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReliabilityWarning)
-        assessor = ReliabilityAssessor(x_op, labelled, eps=1.0 / GRID, box=([0, 0], [1, 1]), bootstrap=100,
-                                       seed=0, compare_methods=(), accept_violated_assumptions=True, **options)
+        assessor = ReliabilityAssessor(x_op, labelled, options=ReliabilityOptions.of(
+            eps=1.0 / GRID, box=([0, 0], [1, 1]), bootstrap=100, seed=0, compare_methods=(),
+            accept_violated_assumptions=True, **options))
         started = time.perf_counter()
         result = assessor.assess(model)
         return assessor, result, time.perf_counter() - started

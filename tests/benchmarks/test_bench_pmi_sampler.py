@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_dnnsafety.engines.reliability import ReliabilityAssessor
+from pytest_dnnsafety.engines.reliability import ReliabilityAssessor, ReliabilityOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "scale_project"))
 from scale_demo.models import resnet18  # noqa: E402
@@ -38,8 +38,8 @@ def _rates(model: torch.nn.Module, shape: tuple[int, ...], norm: str, balls: int
     radius = 8 / 255 if norm == "linf" else 0.5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assessor = ReliabilityAssessor(centres, (centres, labels), cells="balls", norm=norm, radius=radius,
-                                       clip=(0.0, 1.0), samples_per_cell=per_ball, bootstrap=0, seed=1)
+        assessor = ReliabilityAssessor(centres, (centres, labels), options=ReliabilityOptions.of(
+            cells="balls", norm=norm, radius=radius, clip=(0.0, 1.0), samples_per_cell=per_ball, bootstrap=0, seed=1))
     x = torch.rand((batch, *shape), generator=gen)
     forward = sampler = 0.0
     with torch.no_grad():

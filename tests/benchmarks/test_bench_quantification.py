@@ -20,13 +20,14 @@ import torch
 from _timing import engine_seconds
 
 from _digits import digits_cnn, digits_images
-from pytest_dnnsafety.engines.quantification import certified_radius, lipschitz_search
+from pytest_dnnsafety.engines.quantification import SafetyProperty, SearchBudget, certified_radius, lipschitz_search
 
 N_IMAGES = 1_000
 N_LOOP = 10
 ITERATIONS = 50
 D = 0.05
-OPTIONS = dict(d=D, method="gps", starts=1, clip=(0.0, 1.0), seed=0, outputs="logits")
+SAFETY = SafetyProperty(d=D, clip=(0.0, 1.0))
+OPTIONS = dict(seed=0, outputs="logits")
 
 
 def _device() -> torch.device:
@@ -47,7 +48,7 @@ def test_bench_pattern_search_batched_vs_one_input_at_a_time(benchmark) -> None:
     x = x.to(device)
 
     def batched():
-        res = lipschitz_search(model, x, iterations=iterations, **OPTIONS)
+        res = lipschitz_search(model, x, SAFETY, SearchBudget("gps", iterations=iterations, starts=1), **OPTIONS)
         _sync(device)
         return res
 
@@ -56,7 +57,8 @@ def test_bench_pattern_search_batched_vs_one_input_at_a_time(benchmark) -> None:
     assert res.q.shape == (n_images,) and bool((res.radius >= 0).all() & (res.radius <= D).all())
 
     start = time.perf_counter()
-    singles = [lipschitz_search(model, x[i:i + 1], iterations=iterations, index_offset=i, **OPTIONS)
+    singles = [lipschitz_search(model, x[i:i + 1], SAFETY, SearchBudget("gps", iterations=iterations, starts=1),
+                                index_offset=i, **OPTIONS)
                for i in range(n_loop)]
     _sync(device)
     loop_seconds = time.perf_counter() - start

@@ -25,7 +25,8 @@ import warnings
 import pytest
 import torch
 
-from pytest_dnnsafety.engines.reliability import ReliabilityAssessor, ReliabilityWarning, assess_reliability
+from pytest_dnnsafety.engines.reliability import (ReliabilityAssessor, ReliabilityOptions, ReliabilityWarning,
+                                                   assess_reliability)
 from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 GRID = 250
@@ -82,8 +83,8 @@ def _interleaved_rates(lower: torch.Tensor, labels: torch.Tensor, n: int, repeat
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReliabilityWarning)
-        sub = ReliabilityAssessor(PROFILE, (X_LAB, Y_LAB), eps=EPS, box=BOX, samples_per_cell=n, bootstrap=0,
-                                  max_cells=lower.shape[0], method="normal", seed=1)
+        sub = ReliabilityAssessor(PROFILE, (X_LAB, Y_LAB), options=ReliabilityOptions.of(
+            eps=EPS, box=BOX, samples_per_cell=n, bootstrap=0, max_cells=lower.shape[0], method="normal", seed=1))
     best_ref = best_eng = 0.0
     failures: list[int] = []
     for _ in range(repeats):

@@ -314,7 +314,7 @@ def test_a_resampling_bound_is_labelled_an_estimate_in_every_report(tmp_path: Pa
 
 
 def test_by_takes_one_condition_name_as_a_string_in_every_grouping_gate() -> None:
-    from pytest_dnnsafety.gates.performance import _by_names
+    from pytest_dnnsafety.scenarios.groups import by_names as _by_names
 
     for marker in ("min_scenario_accuracy", "max_scenario_degradation", "min_detection_map", "min_detection_recall"):
         spec = parse_marker(marker, (0.5,), {"by": "lighting"}, "t.py::test", GATES)

@@ -10,7 +10,7 @@ from torch import nn
 
 from pytest_dnnsafety.runtime import progress
 from pytest_dnnsafety.engines.core.capture import capture
-from pytest_dnnsafety.engines.reliability import BLOCK, ReliabilityAssessor, ReliabilityWarning
+from pytest_dnnsafety.engines.reliability import BLOCK, ReliabilityAssessor, ReliabilityOptions, ReliabilityWarning
 
 
 @pytest.fixture
@@ -30,7 +30,8 @@ def _assessor(**options) -> ReliabilityAssessor:
     op = torch.rand(300, 2, generator=gen, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReliabilityWarning)
-        return ReliabilityAssessor(op, eps=0.05, box=([0, 0], [1, 1]), samples_per_cell=50, bootstrap=0, **options)
+        return ReliabilityAssessor(op, options=ReliabilityOptions.of(eps=0.05, box=([0, 0], [1, 1]), samples_per_cell=50,
+                                                                     bootstrap=0, **options))
 
 
 def _model(x: torch.Tensor) -> torch.Tensor:

@@ -314,7 +314,7 @@ def test_module_imports_neither_torch_nor_pytest() -> None:
 SLOW_GATE_CONFTEST = """
 import time
 
-from pytest_dnnsafety import progress
+from pytest_dnnsafety.runtime import progress
 from pytest_dnnsafety.gates import GateDef, register_gate
 from pytest_dnnsafety.results import Measurement
 

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, DataError
 
-__all__ = ["OUTPUT_KINDS", "check_label_matrix", "probabilities", "decision_thresholds", "predicted_sets"]
+__all__ = ["OUTPUT_KINDS", "check_label_matrix", "probabilities", "decision_thresholds", "predicted_sets",
+           "output_kind", "refuse_multilabel_options"]
 
 OUTPUT_KINDS = ("auto", "logits", "probabilities")
 
@@ -80,3 +81,29 @@ def check_label_matrix(out: Any, marker: str, data: str, *, required: bool = Tru
         raise DataError(f"{marker}: the labels of fixture {data!r} hold values other than 0 and 1. Fix: a 0/1 "
                         "matrix, 1 where the class is present.")
     return k
+
+
+def output_kind(kind: str | None, logits: Tensor, sharded: bool = False) -> str:
+    """A gate's ``outputs=`` (None: ``"auto"``) resolved to 'logits' or 'probabilities', the same on every rank:
+    'auto' is probabilities when every output lies in [0, 1] — on every torchrun rank when ``sharded`` (each
+    rank's answer gathered, so all ranks read the outputs alike)."""
+    from pytest_dnnsafety.runtime import torchrun as ranks
+
+    kind = kind or "auto"
+    if kind != "auto":
+        return kind
+    inside = bool(((logits >= 0) & (logits <= 1)).all()) if logits.numel() else True
+    return "probabilities" if all(ranks.gather(inside) if sharded else [inside]) else "logits"
+
+
+def refuse_multilabel_options(marker: str, options: Any, multi: bool) -> None:
+    """A ConfigError when a single-label model (``multi`` False) is given an option of ``options`` (a gate's
+    options by keyword) that only a multi-label model reads: ``decision_threshold``, ``outputs``."""
+    if multi:
+        return
+    given = [name for name in ("decision_threshold", "outputs") if options.get(name) is not None]
+    if given:
+        raise ConfigError(f"{marker}: {', '.join(given)} only applies to multi-label models (one probability "
+                          "per class, a class predicted when it reaches the decision threshold); this model is "
+                          "single-label (its labels are class indices). Fix: drop it, or give multi-label data (a "
+                          "(N, classes) 0/1 label matrix) or task='multi-label'.")

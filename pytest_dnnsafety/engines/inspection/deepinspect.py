@@ -106,8 +106,8 @@ from torch import Tensor
 from pytest_dnnsafety.engines.core.base import Engine
 from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.inspection.kernels import (
-    _TRIPLET_CHUNK, DEFAULT_THRESHOLD, DISTANCE_FLOOR, InspectionError, _bias_no_signal, _pop_std, aucec,
-    check_threshold, class_bias, layer_activity, napvd_matrix, pack_active, scaled_activity, unpack_active,
+    _TRIPLET_CHUNK, DEFAULT_THRESHOLD, InspectionError, _bias_no_signal, _pop_std, aucec,
+    check_threshold, class_bias, napvd_matrix, unpack_active,
 )
 from pytest_dnnsafety.errors import ConfigError, DataError
 

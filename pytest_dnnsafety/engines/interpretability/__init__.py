@@ -1,1 +1,2 @@
-"""Family `interpretability`: occlusion sensitivity of classifiers (occlusion) and detectors (detector) (Cheng et al. 2018, §II-G)."""
+"""Family `interpretability`: occlusion sensitivity of classifiers (occlusion) and detectors (detector) (Cheng et al.
+2018, §II-G); what a gate runs per task (plan)."""

@@ -6,12 +6,19 @@
   activation cache; the inputs batch by batch through the runner; a torchrun rank's shard);
 * :mod:`.overhead` — :func:`measure_overhead`;
 * :mod:`.output` — :class:`MSP`, :class:`ODIN`, :class:`Energy`;
-* :mod:`.detection` — :class:`DetectionScore` (a detector's top detection scores);
+* :mod:`.detector` — :class:`DetectionScore` (a detector's top detection scores), its fault sets and errors;
 * :mod:`.features` — :class:`OutsideTheBox`, :class:`ActivationPatterns`, :class:`Mahalanobis`;
 * :mod:`.autoencoder` — :class:`Autoencoder` (the reconstruction error of the user's autoencoder);
 * :mod:`.faults` — fault families (noise, distribution shift, anomalies, adversarial) at severities 1–5;
 * :mod:`.stream` — :class:`FaultStream`: a fault set as lazy data, faulted batch by batch as it is read;
 * :mod:`.metrics` — detection metrics (OOD = positive), AUROC, FPR@95%TPR, the system view.
+
+The benchmark the gates run (imported by their modules, not re-exported here):
+
+* :mod:`.variants` — its classifier and detector variants (:func:`~.variants.for_task`);
+* :mod:`.session` — :class:`~.session.MonitorSession`: the session's memo, shared pass and fault sets;
+* :mod:`.bench` — :class:`~.bench.MonitorBench`: one gate's fixtures, its monitors fitted and scored;
+* :mod:`.gating` — the detection, selective-risk and overhead measurements and their results.
 """
 
 from __future__ import annotations

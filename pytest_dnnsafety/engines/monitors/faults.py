@@ -135,6 +135,10 @@ NOVEL = "novel"
 #: Every transform family, in group order.
 FAULT_FAMILIES: tuple[str, ...] = tuple(name for names in FAULT_GROUPS.values() for name in names)
 SEVERITIES = (1, 2, 3, 4, 5)
+#: Families that are the same at every severity: a benchmark evaluates them once and reports no severity.
+SEVERITY_FREE = ("black_frame",)
+#: Families whose inputs have no right answer: every decision on them counts as a model error (system view).
+NO_RIGHT_ANSWER = (NOVEL, "black_frame", "zeroed_rows", "copied_rows", "shifted_rows")
 
 #: Families that need images (N, C, H, W) or (N, H, W).
 _SPATIAL = frozenset({"gaussian_blur", "haze", "rotation", "zeroed_rows", "copied_rows", "shifted_rows"})

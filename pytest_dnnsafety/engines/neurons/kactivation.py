@@ -299,6 +299,14 @@ class NeuronKActivationEngine(Engine):
             device=device,
         )
 
+    @classmethod
+    def of(cls, activations: Tensor, *, k: int = 2, activation_threshold: float = 0.0) -> NeuronKActivationEngine:
+        """An engine sized for ``activations`` ``(N, c)``, on their device, with them folded in: one torchrun
+        rank's rows of a layer, ready to be merged with the other ranks' (occupied cells ``or``, inputs ``sum``)."""
+        engine = cls(activations.shape[1], k=k, activation_threshold=activation_threshold, device=activations.device)
+        engine.update(activations)
+        return engine
+
     def _move_buffers(self, device: torch.device) -> None:
         self._plan = None  # rebuilt lazily on the new device
 

@@ -19,7 +19,12 @@ from pytest_dnnsafety.engines.neurons.checks import _check_activations, _check_t
 from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.errors import MetricError
 
-__all__ = ["NeuronPatternEngine", "PatternResult"]
+__all__ = ["NeuronPatternEngine", "PatternResult", "scope"]
+
+
+def scope(where: Mapping[str, Any] | None) -> str:
+    """The inputs a gate measured, for its detail text: ``all inputs`` or the scenario, ``weather=rain, road=wet``."""
+    return "all inputs" if where is None else ", ".join(f"{k}={v}" for k, v in where.items())
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,22 @@ class NeuronPatternEngine(Engine):
             device=device,
         )
 
+    @classmethod
+    def of(cls, activations: Tensor, *, groups: int = 10, activation_threshold: float = 0.0, rows: Tensor | None = None,
+           shard: Any = None) -> NeuronPatternEngine:
+        """An engine sized for ``activations`` ``(N, c)``, on their device, with them folded in: one torchrun rank's
+        rows of a layer (``shard``: its :class:`~pytest_dnnsafety.runtime.torchrun.Shard`, None for the whole data),
+        ready to be merged with the other ranks' (the histogram is a ``sum``). ``rows``: a boolean mask over the
+        whole data's rows (one scenario's inputs) — only the selected rows of this rank's are counted."""
+        if rows is not None:
+            if shard is not None:  # the mask's rows of this rank's data rows
+                rows = rows[shard.row_slice]
+            activations = activations[rows.to(activations.device)]
+        engine = cls(activations.shape[1], groups=groups, activation_threshold=activation_threshold,
+                     device=activations.device)
+        engine.update(activations)
+        return engine
+
     def group_of(self, counts: Tensor) -> Tensor:
         """Group index of each active-neuron count: ``min(γ-1, ⌊count·γ/c⌋)``."""
         return torch.clamp((counts.to(torch.int64) * self.groups) // self.n_neurons, max=self.groups - 1)
@@ -139,10 +160,13 @@ class NeuronPatternEngine(Engine):
         counts = (acts > self.activation_threshold).sum(1)
         self.histogram.index_add_(0, counts, torch.ones_like(counts))
 
-    def compute(self) -> PatternResult:
-        """Group sizes, the dominant group and M_neu-pattern; :class:`MetricError` without inputs."""
+    def compute(self, *, where: Mapping[str, Any] | None = None) -> PatternResult:
+        """Group sizes, the dominant group and M_neu-pattern; :class:`MetricError` without inputs (naming ``where``,
+        the scenario selection the inputs came from, when one was given)."""
         hist = self.histogram.cpu()
         n_inputs = int(hist.sum())
+        if n_inputs == 0 and where is not None:
+            raise MetricError(f"no inputs match where={where!r}; the metric needs at least one")
         if n_inputs == 0:
             raise MetricError(
                 "neuron activation pattern metric is undefined: no inputs were measured (|In| = 0); "

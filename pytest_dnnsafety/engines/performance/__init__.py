@@ -1,1 +1,1 @@
-"""Family `performance`: per-scenario accuracy and degradation (Cheng et al. 2018, §II-E)."""
+"""Family `performance`: per-scenario accuracy and degradation (Cheng et al. 2018, §II-E): the engine (scenario), precision/recall/F1 counts and bootstrap bounds (multilabel), the single- and multi-label task variants and the gates' readings (tasks)."""

@@ -1,10 +1,11 @@
 """DeepQuant: Lipschitzian safety quantification (Xu, Ruan, Huang et al., "Quantifying safety risks of deep neural
 networks").
 
-Modules: :mod:`.common` (checks, expressions, balls, draws), :mod:`.gradients` (gradient-norm
-ascent, the PGD check), :mod:`.search` (the pattern search), :mod:`.certified` (the certified
-radius), :mod:`.engine` (:class:`SafeRadiusEngine`, the per-input states), :mod:`.dataset`
-(:func:`quantify_safety`). Every public name is importable from here.
+Modules: :mod:`.common` (checks, expressions, balls, draws), :mod:`.options` (the option records:
+:class:`SafetyProperty`, :class:`SearchBudget`, :class:`Certification`, :class:`GatedRadius`),
+:mod:`.gradients` (gradient-norm ascent, the PGD check), :mod:`.search` (the pattern search),
+:mod:`.certified` (the certified radius), :mod:`.engine` (:class:`SafeRadiusEngine`, the per-input
+states), :mod:`.dataset` (:func:`quantify_safety`). Every public name is importable from here.
 
 **Safety expressions** ``s(x)`` over the model's probabilities ``f(x)`` (softmax of logits, or the
 model's own probabilities); ``s < 0`` is a risk. The classes an expression names are fixed at the
@@ -129,9 +130,12 @@ from pytest_dnnsafety.engines.quantification.common import (
     BOUND_METHODS, EXPRESSIONS, NORMS, SEARCHES, confidence_interval, lp_norm, project_ball, project_l1_ball,
     reachability, safety_values, uncertainty,
 )
-from pytest_dnnsafety.engines.quantification.dataset import STATISTICS, SafetyQuantification, quantify_safety
+from pytest_dnnsafety.engines.quantification.dataset import SafetyQuantification, quantify_safety
 from pytest_dnnsafety.engines.quantification.engine import SafeRadiusEngine
 from pytest_dnnsafety.engines.quantification.gradients import dual_norm, gradient_ascent, pgd_nearest_unsafe
+from pytest_dnnsafety.engines.quantification.options import (
+    STATISTICS, Certification, GatedRadius, SafetyProperty, SearchBudget,
+)
 from pytest_dnnsafety.engines.quantification.search import LipschitzSearch, lipschitz_search
 
 __all__ = [
@@ -140,4 +144,5 @@ __all__ = [
     "project_ball", "project_l1_ball", "lp_norm", "dual_norm",
     "LipschitzSearch", "lipschitz_search", "gradient_ascent", "pgd_nearest_unsafe", "certified_radius",
     "SafetyQuantification", "quantify_safety", "SafeRadiusEngine",
+    "SafetyProperty", "SearchBudget", "Certification", "GatedRadius",
 ]

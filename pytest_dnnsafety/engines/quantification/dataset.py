@@ -23,16 +23,15 @@ from torch import Tensor
 from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.engines.core.runner import Batch, Runner
 from pytest_dnnsafety.engines.quantification.certified import certified_radius
-from pytest_dnnsafety.data.checks import check_choice, check_count
-from pytest_dnnsafety.engines.quantification.common import BOUND_METHODS, _check_expression, _real, lp_norm
+from pytest_dnnsafety.data.checks import check_count
+from pytest_dnnsafety.engines.quantification.common import lp_norm
 from pytest_dnnsafety.engines.quantification.engine import WORST_COLUMNS, SafeRadiusEngine
 from pytest_dnnsafety.engines.quantification.gradients import pgd_nearest_unsafe
+from pytest_dnnsafety.engines.quantification.options import Certification, GatedRadius, SafetyProperty, SearchBudget
 from pytest_dnnsafety.engines.quantification.search import lipschitz_search
 
-__all__ = ["STATISTICS", "SafetyQuantification", "quantify_safety"]
+__all__ = ["SafetyQuantification", "quantify_safety"]
 
-#: What the ``min_safe_radius`` gate compares: the proved radius, or the search's estimate (asked for explicitly).
-STATISTICS = ("certified", "estimate")
 #: How each statistic is named in every output.
 STATISTIC_LABELS = {"estimate": "estimate (heuristic lower bound on Q ⇒ not a guarantee)"}
 #: The PGD check runs inside this fraction of a claimed radius, so that a point it finds lies inside the ball
@@ -278,45 +277,30 @@ class SafetyQuantification:
 def quantify_safety(
     model: Any,
     data: Any,
-    expression: str = "top_vs_runner_up",
+    safety: SafetyProperty,
+    search: SearchBudget = SearchBudget(),
+    certification: Certification | None = Certification(),
+    gated: GatedRadius = GatedRadius(),
     *,
-    d: float,
-    label: int | None = None,
-    eps: float = 0.0,
-    norm: str = "linf",
-    method: str = "gps",
-    iterations: int = 100,
-    starts: int = 2,
-    clip: tuple[float, float] | None = (0.0, 1.0),
-    quantile: float = 0.0,
-    certified: str | None = "crown",
-    statistic: str = "certified",
-    worst: int = 5,
     seed: int = 0,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     outputs: str = "auto",
-    expansion: float = 1.3,
-    contraction: float = 0.8,
-    mesh_tol: float = 1e-5,
-    mesh_init: float = 1.0,
-    bisection_steps: int = 10,
-    max_batch: int = 8192,
-    ascent_steps: int = 10,
-    ascent_starts: int = 4,
-    pgd_check: bool = True,
     shard: Any = None,
 ) -> SafetyQuantification:
-    """:func:`lipschitz_search` (and :func:`certified_radius` with ``certified="crown"``/``"ibp"``) over ``data``.
+    """:func:`lipschitz_search` (and :func:`certified_radius` with a ``certification``) over ``data``.
 
     ``data``: anything :func:`~pytest_dnnsafety.data.forms.iter_batches` reads (labels are not used).
+    ``safety``, ``search``: the property and the search's budget (:mod:`.options`); the PGD check
+    runs ``search.iterations`` steps with ``search.starts`` restarts. ``certification``: the
+    certified radius's bound method and bisection steps (None: no certificate). ``gated``: what
+    ``value`` is — the ``quantile`` of the ``"certified"`` radii (the default; needs a
+    ``certification``) or of the ``"estimate"`` — and the ``worst`` inputs kept and the PGD check
+    (:class:`~.options.GatedRadius`).
     Batches of ``batch_size`` inputs; each input's random draws are keyed by its index in the
     data, so the batch size does not change the numbers. ``device`` is used only for a model
     without parameters. The certificate's bounded model is built once; a model it does not
-    cover gives ``certified=None`` and the reason. ``statistic``: what ``value`` is — the
-    ``"certified"`` radii (the default; needs ``certified``) or the ``"estimate"``.
-    ``pgd_check``: run PGD on ``s`` (``iterations`` steps, ``starts`` restarts) inside each
-    input's estimated radius and, when the certificate is gated, its certified radius.
+    cover gives ``certified=None`` and the reason.
 
     The batches go through a :class:`~pytest_dnnsafety.engines.core.runner.Runner` (a ``DataLoader``
     streams) into a :class:`.engine.SafeRadiusEngine`, which keeps each input's results (the
@@ -327,19 +311,15 @@ def quantify_safety(
     """
     from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
 
-    if not _real(quantile) or not 0 <= quantile <= 1:
-        raise ConfigError(f"quantile={quantile!r} is not in [0, 1]. Fix: 0 gates the minimum, 0.05 the 5% quantile.")
-    worst = check_count(worst, "worst", 0)
     batch_size = check_count(batch_size, "batch_size", 1)
-    statistic = check_choice(statistic, "statistic", STATISTICS,
-                              "use 'certified' (the proved radius, the default) or 'estimate' (the heuristic).")
-    if certified is not None:
-        certified = check_choice(certified, "certified", BOUND_METHODS, "use 'crown', 'ibp' or None.")
-    elif statistic == "certified":
+    statistic, quantile, worst = gated.statistic, gated.quantile, gated.worst
+    if certification is None and statistic == "certified":
         raise ConfigError("statistic='certified' needs a certified radius, but certified is off (certified=False/"
                           "None). Fix: keep certified=True (CROWN) or 'ibp', or gate the heuristic estimate "
                           "explicitly with statistic='estimate'.")
-    _check_expression(expression, label, eps)
+    certified, steps = (None, 0) if certification is None else (certification.method, certification.steps)
+    expression, label, eps, d, norm = safety.expression, safety.label, safety.eps, safety.d, safety.norm
+    iterations, starts, max_batch = search.iterations, search.starts, search.max_batch
     runner = Runner("min_safe_radius", model=model, device=device, batch_size=batch_size, labels="ignored",
                     shard=shard)
     guard = runner.guard("min_safe_radius: model on the pattern search's points")
@@ -351,24 +331,21 @@ def quantify_safety(
             reason = str(exc)
     engines: list[SafeRadiusEngine] = []  # built on the first batch (the inputs' shape and dtype)
     outputs_seen, settings = outputs, {}
-    pgd_reason: str | None = None if pgd_check else "pgd_check=False"
+    pgd_reason: str | None = None if gated.pgd_check else "pgd_check=False"
 
     def step(batch: Batch) -> None:
         nonlocal outputs_seen, settings, bounded, reason, pgd_reason
         x, start = batch.x, batch.start
-        res = lipschitz_search(model, x, expression, d=d, label=label, eps=eps, norm=norm, method=method,
-                               iterations=iterations, starts=starts, clip=clip, seed=seed, index_offset=start,
-                               expansion=expansion, contraction=contraction, mesh_tol=mesh_tol, mesh_init=mesh_init,
-                               outputs=outputs_seen, guard=guard, max_batch=max_batch, ascent_steps=ascent_steps,
-                               ascent_starts=ascent_starts)
+        res = lipschitz_search(model, x, safety, search, seed=seed, index_offset=start, outputs=outputs_seen,
+                               guard=guard)
         outputs_seen, settings = res.outputs, res.settings  # detected once, on the first batch
         if not engines:
             engines.append(SafeRadiusEngine(worst, tuple(res.x_hat.shape[1:]), str(res.x_hat.dtype).split(".")[-1],
                                             device=res.s.device))
         cert = None
         if bounded is not None:
-            cert, why = certified_radius(model, x, expression, d=d, label=label, eps=eps, clip=clip,
-                                         method=certified, steps=bisection_steps, outputs=outputs_seen,
+            cert, why = certified_radius(model, x, expression, d=d, label=label, eps=eps, clip=safety.clip,
+                                         method=certified, steps=steps, outputs=outputs_seen,
                                          bounded=bounded)
             if cert is None:
                 bounded, reason = None, why
@@ -395,8 +372,8 @@ def quantify_safety(
                   "evaluations": res.evaluations, "converged": res.converged, "unsafe": unsafe, "linf": linf,
                   "applicable": res.applicable, "certified": cert, "q_ratio": res.q_ratio,
                   "q_gradient": res.q_gradient, "pgd": pgd}
-        gated = cert if statistic == "certified" and cert is not None else res.radius
-        engines[0].update(start, values, gated=gated, x=xin, x_hat=res.x_hat, s_hat=res.s_hat,
+        compared = cert if statistic == "certified" and cert is not None else res.radius
+        engines[0].update(start, values, gated=compared, x=xin, x_hat=res.x_hat, s_hat=res.s_hat,
                           dist=lp_norm((res.x_hat - xin).flatten(1).to(torch.float64), res.settings["norm"]))
 
     runner.run(data, step, lambda: engines[0])  # built on the first batch (every shard holds one)

@@ -9,16 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.engines.core.guard import ForwardGuard
-from pytest_dnnsafety.engines.perturb.adversarial import check_clip, detect_outputs, log_probs
-from pytest_dnnsafety.data.checks import check_choice, check_count, check_positive
+from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs, log_probs
+from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.quantification.common import (
-    _INCREASE, _NEAR, BOUND_METHODS, NORMS, SEARCHES, _applicable, _check_expression, _check_inputs,
-    _check_label_range, _check_outputs, _classes, _evaluate, _forward, _gaussian, _real,
-    _to_model, _uniform, lp_norm, project_ball,
+    _INCREASE, _NEAR, _applicable, _check_inputs, _check_label_range, _check_outputs, _classes, _evaluate, _forward,
+    _gaussian, _to_model, _uniform, lp_norm, project_ball,
 )
 from pytest_dnnsafety.engines.quantification.gradients import gradient_ascent
+from pytest_dnnsafety.engines.quantification.options import Certification, SafetyProperty, SearchBudget
 
 __all__ = ["LipschitzSearch", "lipschitz_search"]
 
@@ -64,88 +63,54 @@ class LipschitzSearch:
     gradient_reason: str | None = None
 
 
-def _settings(expression: str, label: int | None, eps: float, d: float, norm: str, method: str, iterations: int,
-              starts: int, clip: tuple[float, float] | None, seed: int, expansion: float, contraction: float,
-              mesh_tol: float, mesh_init: float, ascent_steps: int, ascent_starts: int) -> dict[str, Any]:
-    return {"expression": expression, "label": label, "eps": eps, "d": d, "norm": norm, "method": method,
-            "iterations": iterations, "starts": starts, "clip": None if clip is None else [clip[0], clip[1]],
-            "seed": seed, "expansion": expansion, "contraction": contraction, "mesh_tol": mesh_tol,
-            "mesh_init": mesh_init, "ascent_steps": ascent_steps, "ascent_starts": ascent_starts}
+def _settings(safety: SafetyProperty, search: SearchBudget, seed: int) -> dict[str, Any]:
+    """The search's settings as plain values, in the order the results have always listed them."""
+    prop, rules = safety.settings(), search.settings()
+    return {**{k: prop[k] for k in ("expression", "label", "eps", "d", "norm")},
+            **{k: rules[k] for k in ("method", "iterations", "starts")}, "clip": prop["clip"], "seed": seed,
+            **{k: rules[k] for k in ("expansion", "contraction", "mesh_tol", "mesh_init", "ascent_steps",
+                                     "ascent_starts")}}
 
 
 def lipschitz_search(
     model: Any,
     x: Tensor,
-    expression: str = "top_vs_runner_up",
+    safety: SafetyProperty,
+    search: SearchBudget = SearchBudget(),
     *,
-    d: float,
-    label: int | None = None,
-    eps: float = 0.0,
-    norm: str = "linf",
-    method: str = "gps",
-    iterations: int = 100,
-    starts: int = 2,
-    clip: tuple[float, float] | None = (0.0, 1.0),
+    certification: Certification | None = None,
     seed: int = 0,
     index_offset: int = 0,
-    expansion: float = 1.3,
-    contraction: float = 0.8,
-    mesh_tol: float = 1e-5,
-    mesh_init: float = 1.0,
     outputs: str = "auto",
-    max_batch: int = 8192,
-    max_elements: int = 1 << 24,
     guard: ForwardGuard | None = None,
-    certified: str | None = None,
-    bisection_steps: int = 10,
-    ascent_steps: int = 10,
-    ascent_starts: int = 4,
 ) -> LipschitzSearch:
     """Estimate ``Q(s, x, d, p)`` and the safe radius of every input of ``x`` (N, ...) by pattern search.
 
-    See the module docstring for the method. ``d``: the ball's radius in input units; ``norm``:
-    ``"linf"``, ``"l2"`` or ``"l1"``; ``method``: ``"gps"`` or ``"mads"``; ``starts``: independent
-    searches per input (the first from ``x``, the others from random points of the ball; ``Q`` is
-    the best of them — pattern search is local, more starts escape more local maxima, each costs
-    one more search); ``mesh_init``: the first mesh size as a fraction of ``d``;
-    ``expansion``/``contraction``/``mesh_tol``: the mesh rules; ``seed`` and ``index_offset`` key
-    the random draws (``index_offset`` is the data index of ``x[0]``, so a data set searched batch
-    by batch draws what one big batch would); ``max_batch``: rows per forward pass;
-    ``max_elements``: the largest poll tensor built at once. ``certified``: ``"crown"``/``"ibp"``
-    also runs :func:`certified_radius` (None: not). ``ascent_starts`` (0: none) gradient-norm
-    ascents of ``ascent_steps`` steps each run first (:func:`.gradients.gradient_ascent`): ``q``
-    never reports less steepness than a gradient or a ratio seen anywhere.
+    See the module docstring for the method. ``safety``: the expression and the ball
+    (:class:`~.options.SafetyProperty`); ``search``: the search's budget and rules
+    (:class:`~.options.SearchBudget`: ``starts`` independent searches per input, the first from
+    ``x``, the others from random points of the ball; ``Q`` is the best of them — pattern search is
+    local, more starts escape more local maxima, each costs one more search; its
+    ``ascent_starts`` gradient-norm ascents run first, :func:`.gradients.gradient_ascent`, so ``q``
+    never reports less steepness than a gradient or a ratio seen anywhere). ``seed`` and
+    ``index_offset`` key the random draws (``index_offset`` is the data index of ``x[0]``, so a data
+    set searched batch by batch draws what one big batch would). ``certification``: also run
+    :func:`certified_radius` with its method and steps (None: not).
 
     Runs under ``torch.no_grad`` on the model's device in the model's dtype; the model's mode
     is the caller's business (use eval mode). Raises :class:`ConfigError` for bad arguments (a
     label outside the model's classes included) and :class:`DataError` for inputs outside
     ``clip`` or not finite.
     """
-    kind, label, eps = _check_expression(expression, label, eps)
-    d = check_positive(d, "d", fix="give the ball's radius in input units, e.g. d=0.1 for inputs in [0, 1].")
-    norm = check_choice(norm, "norm", NORMS, "use 'linf', 'l2' or 'l1'.")
-    method = check_choice(method, "method", SEARCHES, "use 'gps' (coordinate polls) or 'mads' (random "
-                                                       "orthogonal polls).")
-    iterations = check_count(iterations, "iterations", 1)
-    starts = check_count(starts, "starts", 1)
-    clip = check_clip(clip)
+    kind, label, eps, d, norm, clip = safety.expression, safety.label, safety.eps, safety.d, safety.norm, safety.clip
+    method, iterations, starts, max_batch = search.method, search.iterations, search.starts, search.max_batch
+    expansion, contraction, mesh_tol = search.expansion, search.contraction, search.mesh_tol
     seed = check_count(seed, "seed", 0)
     index_offset = check_count(index_offset, "index_offset", 0)
-    if not _real(expansion) or not math.isfinite(expansion) or expansion < 1:
-        raise ConfigError(f"expansion={expansion!r} is not a finite number ≥ 1. Fix: e.g. expansion=1.3.")
-    if not _real(contraction) or not 0 < contraction < 1:
-        raise ConfigError(f"contraction={contraction!r} is not in (0, 1). Fix: e.g. contraction=0.8.")
-    mesh_tol = check_positive(mesh_tol, "mesh_tol", fix="e.g. mesh_tol=1e-5.")
-    mesh_init = check_positive(mesh_init, "mesh_init", fix="give the first mesh size as a fraction of d, e.g. 1.0.")
     outputs = _check_outputs(outputs)
-    max_batch = check_count(max_batch, "max_batch", 1)
-    max_elements = check_count(max_elements, "max_elements", 1)
-    if certified is not None:
-        certified = check_choice(certified, "certified", BOUND_METHODS, "use 'crown', 'ibp' or None.")
-    ascent_steps = check_count(ascent_steps, "ascent_steps", 0)
-    ascent_starts = check_count(ascent_starts, "ascent_starts", 0)
-    settings = _settings(kind, label, eps, d, norm, method, iterations, starts, clip, seed, float(expansion),
-                         float(contraction), mesh_tol, mesh_init, ascent_steps, ascent_starts)
+    settings = _settings(safety, search, seed)
+    max_elements, ascent_steps, ascent_starts = search.max_elements, search.ascent_steps, search.ascent_starts
+    mesh_init = search.mesh_init
 
     x = _to_model(model, x)
     dtype, device = x.dtype, x.device
@@ -308,11 +273,11 @@ def lipschitz_search(
     if guard is not None:
         guard.check()
     cert, reason = None, None
-    if certified is not None:
+    if certification is not None:
         from pytest_dnnsafety.engines.quantification.certified import certified_radius
 
-        cert, reason = certified_radius(model, x, kind, d=d, label=label, eps=eps, clip=clip, method=certified,
-                                        steps=bisection_steps, outputs=outputs)
+        cert, reason = certified_radius(model, x, kind, d=d, label=label, eps=eps, clip=clip,
+                                        method=certification.method, steps=certification.steps, outputs=outputs)
     return LipschitzSearch(
         s=s0, q=q, radius=radius, x_hat=x_hat, s_hat=s_hat, iterations=iterations_used, evaluations=evaluations,
         converged=converged, unsafe_distance=unsafe_distance, applicable=applicable, top=top, other=other,

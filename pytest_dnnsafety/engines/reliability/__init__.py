@@ -96,6 +96,12 @@ calls are already large, cache-friendly batches and it is about 1.2–1.4× *fas
 on a CPU (the engine's per-sample bookkeeping: cell indices, histograms). Accelerators, where a
 per-cell call is dominated by launch latency, were not measured.
 
+Options: :class:`ReliabilityAssessor` takes one :class:`ReliabilityOptions` of five records
+(:mod:`~pytest_dnnsafety.engines.reliability.options`: the cells, the OP masses, the sampling plan,
+the bound, the labels); :func:`assess_reliability` takes their fields as keywords. The
+``max_pmi_ub`` gate runs :func:`~pytest_dnnsafety.engines.reliability.ranks.assess_over_ranks`
+(the sampling split over torchrun ranks).
+
 The engine half follows :class:`~pytest_dnnsafety.engines.core.base.Engine`: :class:`CellTallyEngine`
 holds one state — per-cell prediction histograms, reduce ``sum`` — so cells (or blocks of
 samples) can be split over pytest-xdist workers or ``torch.distributed`` ranks and merged;
@@ -110,16 +116,11 @@ Typical use::
 
 from __future__ import annotations
 
-# The submodules hold one concept each; this package re-exports every name of the former single
-# module ``engines/reliability.py``, private helpers included (tests and callers import some).
+# The public names of the family's engine package (the submodules hold one concept each).
 from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES, QueryCapError
 from pytest_dnnsafety.engines.reliability.api import assess_reliability
-from pytest_dnnsafety.engines.reliability.assessment import (
-    EMPTY_CELL_LABELS,
-    ReliabilityAssessor,
-)
+from pytest_dnnsafety.engines.reliability.assessment import ReliabilityAssessor
 from pytest_dnnsafety.engines.reliability.cells import (
-    _CHUNK_ELEMS,
     CELL_TYPES,
     CROSS,
     EMPTY,
@@ -129,32 +130,28 @@ from pytest_dnnsafety.engines.reliability.cells import (
     NORMS,
     Grid,
     ReliabilityWarning,
-    _ball_distances,
-    _check_norm,
-    _float_tuple,
     closest_opposite_pair,
     nearest_labels,
     r_separation,
 )
-from pytest_dnnsafety.engines.reliability.model import (
-    _check_label_bounds,
-    _check_label_range,
-    _checked,
-    _CheckedModel,
-    _ModelAdapter,
+from pytest_dnnsafety.engines.reliability.options import (
+    EMPTY_CELL_LABELS,
+    BoundOptions,
+    CellOptions,
+    LabelOptions,
+    MassOptions,
+    ReliabilityOptions,
+    SamplingPlan,
 )
 from pytest_dnnsafety.engines.reliability.planning import (
     AUTO_RADIUS_CAP,
-    _labels_tensor,
-    _raw_tensor,
 )
 from pytest_dnnsafety.engines.reliability.result import (
     CellTable,
     MethodBound,
     ReliabilityResult,
-    _num,
 )
-from pytest_dnnsafety.engines.reliability.sampler import _MIX, BLOCK, BLOCK_ELEMS, _mix, block_size
+from pytest_dnnsafety.engines.reliability.sampler import BLOCK, BLOCK_ELEMS, block_size
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 
 __all__ = [
@@ -176,6 +173,12 @@ __all__ = [
     "MethodBound",
     "QueryCapError",
     "ReliabilityAssessor",
+    "ReliabilityOptions",
+    "CellOptions",
+    "MassOptions",
+    "SamplingPlan",
+    "BoundOptions",
+    "LabelOptions",
     "ReliabilityResult",
     "ReliabilityWarning",
     "assess_reliability",

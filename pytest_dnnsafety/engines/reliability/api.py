@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor
 
 from pytest_dnnsafety.engines.reliability.assessment import ReliabilityAssessor
+from pytest_dnnsafety.engines.reliability.options import ReliabilityOptions
 from pytest_dnnsafety.engines.reliability.result import ReliabilityResult
 from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
@@ -25,8 +26,10 @@ def assess_reliability(
 ) -> ReliabilityResult:
     """Assess the pmi of ``model`` under the operational profile (Zhao et al. 2021) and bound it.
 
-    ``options`` are the keywords of :class:`ReliabilityAssessor` (the defaults are its own), all
-    documented here; an unknown keyword raises ``TypeError``.
+    ``options`` are the fields of the option records that :class:`ReliabilityAssessor` takes
+    (:class:`~pytest_dnnsafety.engines.reliability.options.ReliabilityOptions`: the defaults are theirs;
+    built by :meth:`~pytest_dnnsafety.engines.reliability.options.ReliabilityOptions.of`), all documented
+    here; an unknown keyword raises ``TypeError``.
 
     Args:
         model: a torch module or any callable mapping inputs ``(B, *input_shape)`` (on ``device``,
@@ -195,7 +198,7 @@ def assess_reliability(
         MetricError: the model's output has the wrong shape, or the profile has no mass in the box.
     """
     started = time.perf_counter()
-    assessor = ReliabilityAssessor(profile, labelled, **options)
+    assessor = ReliabilityAssessor(profile, labelled, ReliabilityOptions.of(**options))
     engine = assessor.sample(model)
     result = assessor.finish(engine, model_queries=assessor.queries)
     return replace(result, seconds=time.perf_counter() - started)

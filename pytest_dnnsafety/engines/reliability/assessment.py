@@ -11,18 +11,15 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from pytest_dnnsafety.stats import intervals as stats
-from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.reliability.aggregation import BoundAggregator
-from pytest_dnnsafety.engines.reliability.allocation import DEFAULT_MAX_QUERIES
 from pytest_dnnsafety.engines.reliability.cells import (
     CROSS,
     EMPTY,
@@ -32,7 +29,6 @@ from pytest_dnnsafety.engines.reliability.cells import (
     NORMS,
     Grid,
     ReliabilityWarning,
-    _check_norm,
     _float_tuple,
     r_separation,
 )
@@ -50,12 +46,8 @@ from pytest_dnnsafety.engines.reliability.sampler import MonteCarloSampler
 from pytest_dnnsafety.engines.reliability.streamed import StreamedBalls
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
-from pytest_dnnsafety.engines.reliability.profile import BOOTSTRAP_SIZES, OperationalProfile, canonical_mass
-
-#: How empty cells (no labelled point inside) get their label (``empty_cell_label=``): the model's
-#: majority vote on the cell's samples (the paper's Assumption 5) or the label of the nearest
-#: labelled point (Euclidean, in the profile's space).
-EMPTY_CELL_LABELS: tuple[str, ...] = ("model", "nearest")
+from pytest_dnnsafety.engines.reliability.options import ReliabilityOptions
+from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 
 class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAggregator):
@@ -66,126 +58,45 @@ class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAg
     selection and types. Then :meth:`sample` runs the model (possibly a
     share of the blocks per worker: ``rank``/``world_size``) into a :class:`CellTallyEngine`,
     and :meth:`finish` turns the (merged) engine into a :class:`ReliabilityResult`.
-    :meth:`assess` does both. Parameters (and their documentation): see :func:`assess_reliability`.
+    :meth:`assess` does both. ``options``: the assessment's option records
+    (:class:`~pytest_dnnsafety.engines.reliability.options.ReliabilityOptions`; None: the defaults),
+    documented at :func:`assess_reliability`.
     """
 
-    def __init__(
-        self,
-        profile: OperationalProfile | Any,
-        labelled: tuple[Any, Any] | None = None,
-        *,
-        eps: float | Sequence[float] | str = "auto",
-        eps_fraction: float = 1.0,
-        box: tuple[Any, Any] | None = None,
-        samples_per_cell: int = 1000,
-        allocation: str = "uniform",
-        query_budget: int | None = None,
-        target_width: float | None = None,
-        max_queries: int | None = DEFAULT_MAX_QUERIES,
-        pilot_samples: int | None = None,
-        pilot_fraction: float = 0.05,
-        bootstrap: int = 100,
-        bootstrap_size: str = "full",
-        bandwidth: Any = None,
-        mass: str = "exact",
-        normalize: bool = True,
-        mass_target: float = 1.0,
-        max_cells: int | None = None,
-        conservative_rest: bool = True,
-        num_classes: int | None = None,
-        failures: Iterable[tuple[int, int]] | None = None,
-        method: str = "chernoff",
-        compare_methods: Sequence[str] = (),
-        confidence: float = 0.975,
-        alpha_op_share: float = 0.5,
-        posterior_draws: int = 1000,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-        batch_size: int | str = "auto",
-        input_dtype: torch.dtype = torch.float32,
-        cells: str = "grid",
-        radius: float | str | None = None,
-        norm: str = "linf",
-        max_balls: int | None = None,
-        clip: tuple[float, float] | None = None,
-        empty_cell_label: str = "model",
-        labelled_from_profile: bool = True,
-        accept_violated_assumptions: bool = False,
-    ) -> None:
+    def __init__(self, profile: OperationalProfile | Any, labelled: tuple[Any, Any] | None = None,
+                 options: ReliabilityOptions | None = None) -> None:
         started = time.perf_counter()
-        if empty_cell_label not in EMPTY_CELL_LABELS:
-            raise ConfigError(f"empty_cell_label must be one of {list(EMPTY_CELL_LABELS)} (the model's majority vote, "
-                              f"the paper's Assumption 5; or the label of the nearest labelled point), got "
-                              f"{empty_cell_label!r}")
-        self.empty_cell_label = str(empty_cell_label)
-        for name, flag in (("labelled_from_profile", labelled_from_profile),
-                           ("accept_violated_assumptions", accept_violated_assumptions)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
-        self.labelled_from_profile = bool(labelled_from_profile)
-        self.accept_violated_assumptions = bool(accept_violated_assumptions)
+        options = ReliabilityOptions() if options is None else options
+        cell, masses, plan, bound, labels = options.cells, options.masses, options.plan, options.bound, options.labels
+        self.empty_cell_label = labels.empty_cell_label
+        self.labelled_from_profile = labels.labelled_from_profile
+        self.accept_violated_assumptions = labels.accept_violated_assumptions
+        self.num_classes = labels.num_classes
+        self.failure_pairs = labels.failures
         self._x_lab_raw: Tensor | None = None
         self._lab_source: Any = None  # streamed labelled data (cells="balls" from a DataLoader)
         self._lab_pred = None
         self.labelled_queries = 0
-        self.confidence = stats.check_confidence(confidence)
-        self.method = self._check_method(method, "method")
-        self.compare_methods = tuple(dict.fromkeys(self._check_method(m, "compare_methods") for m in compare_methods
-                                                   if m != self.method))
-        self.samples_per_cell = check_count(samples_per_cell, "samples_per_cell", 1)
-        self._check_allocation(allocation, query_budget, target_width, pilot_samples, pilot_fraction)
-        self.max_queries = None if max_queries is None else check_count(max_queries, "max_queries", 1)
-        self.bootstrap = check_count(bootstrap, "bootstrap", 0)
-        if self.bootstrap == 1:
-            raise ConfigError("bootstrap must be 0 (OP masses taken as known) or at least 2 refits, got 1")
-        self.mass = canonical_mass(mass)  # "center" is a spelling of "centre"; reported as "centre"
-        if bootstrap_size not in BOOTSTRAP_SIZES:
-            raise ConfigError(f"bootstrap_size must be one of {list(BOOTSTRAP_SIZES)} ('full': the standard bootstrap, "
-                              f"N of N points per KDE refit; 'half': the paper's N/2-point refits), got "
-                              f"{bootstrap_size!r}")
-        self.bootstrap_size = str(bootstrap_size)
-        self.normalize = bool(normalize)
-        if isinstance(mass_target, bool) or not isinstance(mass_target, (int, float)) or not 0 < mass_target <= 1:
-            raise ConfigError(f"mass_target must be a number in (0, 1], got {mass_target!r}")
-        self.mass_target = float(mass_target)
-        self.max_cells = None if max_cells is None else check_count(max_cells, "max_cells", 1)
-        self.conservative_rest = bool(conservative_rest)
-        self.num_classes = None if num_classes is None else check_count(num_classes, "num_classes", 2)
-        self.failure_pairs = None if failures is None else self._check_failures(failures)
-        if isinstance(alpha_op_share, bool) or not isinstance(alpha_op_share, (int, float)) \
-                or not 0 < alpha_op_share < 1:
-            raise ConfigError(f"alpha_op_share must lie strictly between 0 and 1, got {alpha_op_share!r}")
-        self.alpha_op_share = float(alpha_op_share)
-        self.posterior_draws = check_count(posterior_draws, "posterior_draws", 1)
-        self.seed = check_count(seed, "seed", 0)
-        if isinstance(batch_size, str):
-            if batch_size != "auto":
-                raise ConfigError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
-        else:
-            batch_size = check_count(batch_size, "batch_size", 1)
-        self.batch_size = batch_size
-        self.input_dtype = input_dtype
-        if cells not in ("grid", "balls"):
-            raise ConfigError(f"cells must be 'grid' (cells of side eps over a box) or 'balls' (norm balls around the "
-                              f"operational inputs, for high-dimensional inputs such as images), got {cells!r}")
-        self.cell_kind = str(cells)
-        self.norm = _check_norm(norm)
+        self.confidence, self.method, self.compare_methods = bound.confidence, bound.method, bound.compare_methods
+        self.alpha_op_share, self.posterior_draws = bound.alpha_op_share, bound.posterior_draws
+        self.samples_per_cell, self.allocation = plan.samples_per_cell, plan.allocation
+        self.query_budget, self.target_width = plan.query_budget, plan.target_width
+        self.pilot_samples, self.pilot_fraction = plan.pilot_samples, plan.pilot_fraction
+        self.max_queries, self.batch_size, self.input_dtype = plan.max_queries, plan.batch_size, plan.input_dtype
+        self.bootstrap, self.mass, self.bootstrap_size = masses.bootstrap, masses.mass, masses.bootstrap_size
+        self.normalize, self.mass_target, self.max_cells = masses.normalize, masses.mass_target, masses.max_cells
+        self.conservative_rest = masses.conservative_rest
+        self.seed = options.seed
+        self.cell_kind, self.norm = cell.cells, cell.norm
         self.clip: tuple[float, float] | None = None
         self.radius: float | None = None
-        if cells == "balls":
-            if self.bootstrap_size != "full":
-                raise ConfigError("bootstrap_size='half' resizes the KDE refits of grid cells (the paper's variant); "
-                                  "ball cells use the empirical profile, whose multinomial bootstrap variance is "
-                                  "exact. Fix: drop bootstrap_size with cells='balls'")
-            self._init_balls(profile, labelled, radius=radius, eps=eps, eps_fraction=eps_fraction, box=box,
-                             bandwidth=bandwidth, max_balls=max_balls, clip=clip, device=device)
+        eps, eps_fraction, box, device = cell.eps, cell.eps_fraction, cell.box, options.device
+        bandwidth = masses.bandwidth
+        if self.cell_kind == "balls":
+            self._init_balls(profile, labelled, radius=cell.radius, eps=eps, eps_fraction=eps_fraction, box=box,
+                             bandwidth=bandwidth, max_balls=cell.max_balls, clip=cell.clip, device=device)
             self.plan_seconds = time.perf_counter() - started
             return
-        for name, value in (("radius", radius), ("max_balls", max_balls), ("clip", clip)):
-            if value is not None:
-                raise ConfigError(f"{name} applies to cells='balls' only; grid cells are set by eps, box and max_cells")
-        if norm != "linf":
-            raise ConfigError(f"norm={norm!r} applies to cells='balls' only; grid cells are L∞ boxes")
 
         # ---------------------------------------------------------------- profile
         if not isinstance(profile, OperationalProfile):
@@ -267,58 +178,6 @@ class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAg
         self._warn_cost()
         self._plan()
         self.plan_seconds = time.perf_counter() - started
-
-    # ------------------------------------------------------------------ validation helpers
-    def _check_allocation(self, allocation: Any, query_budget: Any, target_width: Any, pilot_samples: Any,
-                          pilot_fraction: Any) -> None:
-        """``allocation`` and the adaptive options (:mod:`~pytest_dnnsafety.engines.reliability.allocation`)."""
-        if allocation not in ("uniform", "proportional", "adaptive"):
-            raise ConfigError(f"allocation must be 'uniform', 'proportional' or 'adaptive' (a pilot, then the budget "
-                              f"spread where it tightens the bound), got {allocation!r}")
-        self.allocation = str(allocation)
-        if allocation != "adaptive":
-            for name, value, default in (("query_budget", query_budget, None), ("target_width", target_width, None),
-                                         ("pilot_samples", pilot_samples, None),
-                                         ("pilot_fraction", pilot_fraction, 0.05)):
-                if value != default:
-                    raise ConfigError(f"{name} applies to allocation='adaptive' only. Fix: allocation='adaptive', or "
-                                      f"drop {name}")
-        self.query_budget = None if query_budget is None else check_count(query_budget, "query_budget", 2)
-        if target_width is not None and (isinstance(target_width, bool) or not isinstance(target_width, (int, float))
-                                         or not 0 < target_width < 1 or not math.isfinite(target_width)):
-            raise ConfigError(f"target_width is the bound width Ub − E to reach, a number in (0, 1), e.g. 1e-3; got "
-                              f"{target_width!r}")
-        self.target_width = None if target_width is None else float(target_width)
-        self.pilot_samples = None if pilot_samples is None else check_count(pilot_samples, "pilot_samples", 1)
-        if isinstance(pilot_fraction, bool) or not isinstance(pilot_fraction, (int, float)) \
-                or not 0 < pilot_fraction < 1:
-            raise ConfigError(f"pilot_fraction is the share of query_budget (or of samples_per_cell) spent on the "
-                              f"pilot, strictly between 0 and 1, e.g. 0.05; got {pilot_fraction!r}")
-        self.pilot_fraction = float(pilot_fraction)
-
-    @staticmethod
-    def _check_method(method: Any, name: str) -> str:
-        if method not in stats.METHODS:
-            raise ConfigError(f"{name}: unknown method {method!r}; use one of {list(stats.METHODS)}")
-        return str(method)
-
-    @staticmethod
-    def _check_failures(failures: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-        pairs = []
-        for pair in failures:
-            try:
-                true, pred = (int(v) for v in pair)
-            except (TypeError, ValueError):
-                raise ConfigError(
-                    f"failures must be (true, predicted) class pairs, e.g. [(0, 1)] for red→green; got {pair!r}"
-                ) from None
-            if true < 0 or pred < 0 or true == pred:
-                raise ConfigError(f"failure pair {pair!r}: classes must be distinct non-negative indices")
-            pairs.append((true, pred))
-        if not pairs:
-            raise ConfigError("failures is empty; give at least one (true, predicted) pair, or None for any error")
-        return tuple(sorted(set(pairs)))
-
 
     # ------------------------------------------------------------------ aggregation
     def _failure_matrix(self, k: int) -> Tensor:

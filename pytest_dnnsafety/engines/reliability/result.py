@@ -332,6 +332,28 @@ class ReliabilityResult:
         ]
         return "\n".join(lines)
 
+    def verdict(self) -> dict[str, str | None]:
+        """What the bound is worth as a gate's evidence: ``detail``, ``inconclusive`` and ``contradiction``.
+
+        * ``contradiction`` — the labelled data refute the bound (the model's labelled error is above
+          ``Ub`` at the confidence, or the model's vote, Assumption 5, is refuted where labels are
+          known): a gate fails whatever the comparison.
+        * ``inconclusive`` — an assumption of the method is violated (``ε``/radius ``≥ r̂``, labelled
+          points outside the box, cross-boundary cells), unless ``accept_violated_assumptions=True``
+          was given: then the bound is compared and ``detail`` says so.
+        """
+        detail = self.detail()
+        inconclusive = None
+        if self.violations:
+            joined = "; ".join(self.violations)
+            if self.violations_accepted:
+                detail += f"; VIOLATED ASSUMPTIONS ACCEPTED (accept_violated_assumptions=True): {joined}"
+            else:
+                inconclusive = (f"violated assumption(s) of the reliability method: {joined}. The bound is not "
+                                f"evidence until they hold (or, knowingly, accept_violated_assumptions=True)")
+        contradiction = "; ".join(self.contradictions) or None
+        return {"detail": detail, "inconclusive": inconclusive, "contradiction": contradiction}
+
     def to_details(self) -> dict[str, Any]:
         """Plain JSON-able values (non-finite numbers become ``None``).
 

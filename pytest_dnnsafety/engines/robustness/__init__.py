@@ -6,7 +6,9 @@
 * :mod:`.confidence` — the adversarial confidence loss M_adv (Cheng et al. 2018, eq. 4);
 * :mod:`.bounds` (with :mod:`.bounds_ops`, :mod:`.bounds_crown`) — sound output bounds over an
   L∞ box by interval bound propagation and CROWN-style linear relaxation;
-* :mod:`.verification` — verified / falsified / unknown per input.
+* :mod:`.verification` — verified / falsified / unknown per input;
+* :mod:`.plan` — what the robustness gates run: the attack plan of a classifier or a detector
+  (:class:`~.plan.AttackPlan`) and the verification plan.
 
 Pure torch, no pytest import.
 """

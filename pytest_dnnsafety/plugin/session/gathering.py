@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dnnsafety.gates.core import GateRegistry
 from pytest_dnnsafety.results import GateResult
 from pytest_dnnsafety.plugin.session.base import DnnSafetyPlugin, unmeasured
 
@@ -116,7 +117,8 @@ class Gathering(DnnSafetyPlugin):
         targets = Targets(evidence=self.evidence_target, html=self.html_target, baseline=self.baseline_target,
                           junitxml=getattr(option, "xmlpath", None),
                           junit_testcase_properties=bool(self.settings.value("junit_properties")),
-                          junit_prefix=getattr(option, "junitprefix", None))
+                          junit_prefix=getattr(option, "junitprefix", None),
+                          plots=self.registry.plots if isinstance(self.registry, GateRegistry) else None)
         written = self.written = write_outputs(rows, self.environment, self.lost, targets)
         self.evidence_path, self.html_path, self.baseline_path = (written.evidence_path, written.html_path,
                                                                   written.baseline_path)

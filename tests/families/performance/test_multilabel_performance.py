@@ -20,7 +20,7 @@ from conftest import GateProject
 from pytest_dnnsafety.engines.performance.multilabel import bootstrap_bounds, score_counts, scores
 from pytest_dnnsafety.engines.performance.scenario import ScenarioPerformanceEngine
 from pytest_dnnsafety.stats.intervals import clopper_pearson_lower
-from test_multilabel_inspection import K, N, ml_project, run_gates
+from test_multilabel_inspection import N, ml_project, run_gates
 
 SKLEARN = {"precision": precision_score, "recall": recall_score, "f1": f1_score}
 

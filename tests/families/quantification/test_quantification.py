@@ -12,6 +12,7 @@ bad inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -24,6 +25,10 @@ from torch import nn
 from _digits import digits_cnn, digits_images
 from pytest_dnnsafety.engines.quantification import (
     EXPRESSIONS,
+    Certification,
+    GatedRadius,
+    SafetyProperty,
+    SearchBudget,
     certified_radius,
     confidence_interval,
     lipschitz_search,
@@ -182,8 +187,8 @@ def test_linear_model_lipschitz_constant_is_the_dual_norm(norm: str, method: str
     x = torch.tensor([[0.5, 0.5], [0.3, 0.7], [0.0, 1.0], [0.95, 0.95]], dtype=torch.float64)  # top class 1
     dual = float(torch.linalg.vector_norm(torch.tensor(a, dtype=torch.float64), ord=DUAL[norm]))
     for expression, label, factor, eps in (("reachability", 0, 1.0, 0.35), ("top_vs_label", 0, 2.0, 0.0)):
-        res = lipschitz_search(model, x, expression, label=label, eps=eps, d=0.3, norm=norm, method=method,
-                               iterations=400, starts=1, mesh_tol=1e-10)
+        res = lipschitz_search(model, x, SafetyProperty(expression, d=0.3, label=label, eps=eps, norm=norm),
+                               SearchBudget(method, iterations=400, starts=1, mesh_tol=1e-10))
         torch.testing.assert_close(res.q, torch.full((4,), factor * dual, dtype=torch.float64), rtol=1e-6, atol=0)
         expected = (res.s / (factor * dual)).clamp(0, 0.3)
         torch.testing.assert_close(res.radius, expected, rtol=1e-6, atol=0)
@@ -200,7 +205,8 @@ def test_relu_network_within_a_few_percent_of_a_dense_grid(norm: str, method: st
     x = torch.rand(6 if network == "smooth" else 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     d = 0.2
     for expression in ("top_vs_runner_up", "reachability", "uncertainty"):
-        res = lipschitz_search(net, x, expression, d=d, norm=norm, method=method, iterations=300, starts=4)
+        res = lipschitz_search(net, x, SafetyProperty(expression, d=d, norm=norm),
+                               SearchBudget(method, iterations=300, starts=4))
         for i in range(x.shape[0]):
             pts, delta = _grid(net, x[i], d, norm)
             s = _s_at(net, x[i], pts, expression)
@@ -224,9 +230,9 @@ def _fields(res) -> dict[str, torch.Tensor]:
 def test_a_batched_search_equals_the_same_search_input_by_input(norm: str, method: str) -> None:
     net = _mlp(5, 32, 4, seed=1)
     x = torch.rand(9, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    options = dict(d=0.2, norm=norm, method=method, iterations=40, starts=3, seed=7)
-    batched = _fields(lipschitz_search(net, x, **options))
-    singles = [_fields(lipschitz_search(net, x[i:i + 1], index_offset=i, **options)) for i in range(9)]
+    safety, search = SafetyProperty(d=0.2, norm=norm), SearchBudget(method, iterations=40, starts=3)
+    batched = _fields(lipschitz_search(net, x, safety, search, seed=7))
+    singles = [_fields(lipschitz_search(net, x[i:i + 1], safety, search, seed=7, index_offset=i)) for i in range(9)]
     for name, value in batched.items():
         alone = torch.cat([s[name] for s in singles])
         if value.is_floating_point():
@@ -236,7 +242,7 @@ def test_a_batched_search_equals_the_same_search_input_by_input(norm: str, metho
     # chunked polls change nothing either: few rows per forward pass, few values per poll tensor (the 2n + 1 = 11
     # points of a poll in slices of 3 directions, one search at a time)
     for limits in ({"max_batch": 23}, {"max_elements": 30}):
-        chunked = _fields(lipschitz_search(net, x, **limits, **options))
+        chunked = _fields(lipschitz_search(net, x, safety, dataclasses.replace(search, **limits), seed=7))
         for name, value in batched.items():
             torch.testing.assert_close(value, chunked[name], rtol=0, atol=1e-12, equal_nan=True, msg=name)
 
@@ -244,14 +250,14 @@ def test_a_batched_search_equals_the_same_search_input_by_input(norm: str, metho
 def test_the_seed_changes_mads_and_only_mads() -> None:
     net = _mlp(5, 32, 4, seed=1)
     x = torch.rand(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    options = dict(d=0.2, iterations=15, starts=1, ascent_starts=0)
-    gps = [lipschitz_search(net, x, method="gps", seed=s, **options).q for s in (0, 1)]
-    mads = [lipschitz_search(net, x, method="mads", seed=s, **options).q for s in (0, 1)]
+    safety, budget = SafetyProperty(d=0.2), dict(iterations=15, starts=1, ascent_starts=0)
+    gps = [lipschitz_search(net, x, safety, SearchBudget("gps", **budget), seed=s).q for s in (0, 1)]
+    mads = [lipschitz_search(net, x, safety, SearchBudget("mads", **budget), seed=s).q for s in (0, 1)]
     assert torch.equal(gps[0], gps[1])
     assert not torch.equal(mads[0], mads[1])
-    assert torch.equal(mads[0], lipschitz_search(net, x, method="mads", seed=0, **options).q)
+    assert torch.equal(mads[0], lipschitz_search(net, x, safety, SearchBudget("mads", **budget), seed=0).q)
     # the gradient-norm ascent's random starts are keyed by the seed too: same seed, same numbers
-    seeded = [lipschitz_search(net, x, method="gps", seed=s, d=0.2, iterations=15, starts=1) for s in (0, 0, 1)]
+    seeded = [lipschitz_search(net, x, safety, SearchBudget("gps", iterations=15, starts=1), seed=s) for s in (0, 0, 1)]
     assert torch.equal(seeded[0].q_gradient, seeded[1].q_gradient) and torch.equal(seeded[0].q, seeded[1].q)
     assert not torch.equal(seeded[0].q_gradient, seeded[2].q_gradient)
 
@@ -259,8 +265,9 @@ def test_the_seed_changes_mads_and_only_mads() -> None:
 def test_quantify_safety_over_data_does_not_depend_on_the_batch_size() -> None:
     net = _mlp(5, 32, 4, seed=1)
     x = torch.rand(20, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    runs = [quantify_safety(net, (x, torch.zeros(20, dtype=torch.int64)), d=0.2, iterations=20, method="mads",
-                            starts=2, batch_size=b, certified="crown", worst=3) for b in (7, 20)]
+    runs = [quantify_safety(net, (x, torch.zeros(20, dtype=torch.int64)), SafetyProperty(d=0.2),
+                            SearchBudget("mads", iterations=20, starts=2), Certification("crown"), GatedRadius(worst=3),
+                            batch_size=b) for b in (7, 20)]
     for name in ("s", "q", "radius", "iterations", "evaluations", "unsafe_distance", "certified", "q_ratio",
                  "q_gradient", "pgd_distance"):
         torch.testing.assert_close(getattr(runs[0], name), getattr(runs[1], name), rtol=0, atol=1e-12)
@@ -272,12 +279,14 @@ def test_quantify_safety_over_data_does_not_depend_on_the_batch_size() -> None:
 
 def test_estimate_edge_cases_unsafe_centre_and_constant_model() -> None:
     x = torch.tensor([[0.5, 0.5], [0.2, 0.9]], dtype=torch.float64)
-    flat = lipschitz_search(Constant(), x, "top_vs_runner_up", d=0.1, iterations=50, starts=1)
+    flat = lipschitz_search(Constant(), x, SafetyProperty("top_vs_runner_up", d=0.1),
+                            SearchBudget(iterations=50, starts=1))
     assert torch.equal(flat.q, torch.zeros(2, dtype=torch.float64))
     assert torch.equal(flat.radius, torch.full((2,), 0.1, dtype=torch.float64))  # Q = 0: safe on the whole ball
     assert bool(flat.converged.all()) and torch.equal(flat.x_hat, x)
     model = LinearProbabilities([0.2, -0.1], 0.4)
-    unsafe = lipschitz_search(model, x, "reachability", label=0, eps=0.9, d=0.1, iterations=20, starts=1)
+    unsafe = lipschitz_search(model, x, SafetyProperty("reachability", d=0.1, label=0, eps=0.9),
+                              SearchBudget(iterations=20, starts=1))
     assert bool((unsafe.s < 0).all())
     assert torch.equal(unsafe.radius, torch.zeros(2, dtype=torch.float64))
     assert torch.equal(unsafe.unsafe_distance, torch.zeros(2, dtype=torch.float64))
@@ -290,19 +299,21 @@ def test_top_vs_label_does_not_apply_to_inputs_of_that_class() -> None:
         top = net(x).argmax(dim=1)
     label = int(top[0])
     assert 0 < int((top == label).sum()) < 30
-    res = lipschitz_search(net, x, "top_vs_label", label=label, d=0.1, iterations=5, starts=1)
+    res = lipschitz_search(net, x, SafetyProperty("top_vs_label", d=0.1, label=label),
+                           SearchBudget(iterations=5, starts=1))
     assert torch.equal(res.applicable, top != label)
     assert bool(torch.isnan(res.radius[top == label]).all())
     assert bool(torch.isfinite(res.radius[top != label]).all())
     assert bool((res.evaluations[top == label] == 1).all())  # no search for them
-    summary = quantify_safety(net, x, "top_vs_label", label=label, d=0.1, iterations=5, starts=1, certified=None,
-                              statistic="estimate")
+    summary = quantify_safety(net, x, SafetyProperty("top_vs_label", d=0.1, label=label),
+                              SearchBudget(iterations=5, starts=1), None, GatedRadius("estimate"))
     assert summary.n_applicable == int((top != label).sum())
     assert summary.value == float(res.radius[top != label].min())
     assert summary.to_details()["not_applicable"] == int((top == label).sum())
     only = x[top == label]
     with pytest.raises(MetricError, match="applies to no input.*Fix: "):
-        quantify_safety(net, only, "top_vs_label", label=label, d=0.1, iterations=5, starts=1)
+        quantify_safety(net, only, SafetyProperty("top_vs_label", d=0.1, label=label),
+                        SearchBudget(iterations=5, starts=1))
 
 
 class AffineProbabilities(nn.Module):
@@ -338,7 +349,7 @@ def test_affine_model_q_is_the_closed_form_with_and_without_clip(norm: str, clip
     top, least = p.argmax(dim=1), p.argmin(dim=1)
     a = model.a.detach()
     for expression, label, eps in (("top_vs_least", None, 0.0), ("top_vs_label", 2, 0.0), ("reachability", 1, 0.3)):
-        res = lipschitz_search(model, x, expression, label=label, eps=eps, d=0.2, norm=norm, clip=clip,
+        res = lipschitz_search(model, x, SafetyProperty(expression, d=0.2, label=label, eps=eps, norm=norm, clip=clip),
                                outputs="probabilities")
         other = least if expression == "top_vs_least" else torch.full_like(top, label)
         w = a[top] - a[other] if expression != "reachability" else a[other]
@@ -351,8 +362,8 @@ def test_affine_model_q_is_the_closed_form_with_and_without_clip(norm: str, clip
         assert bool((res.radius[ok] <= exact_radius[ok] * (1 + 1e-6)).all())
         assert bool((res.q_ratio[ok] <= exact_q[ok] * (1 + 1e-9)).all())  # every centred ratio is below L
     if clip is not None and norm == "linf":  # at the corner the centred ratio cannot reach ‖w‖₁: the gradient does
-        res = lipschitz_search(model, x[:1], "top_vs_label", label=2, d=0.2, norm=norm, clip=clip,
-                               iterations=400, mesh_tol=1e-10)
+        res = lipschitz_search(model, x[:1], SafetyProperty("top_vs_label", d=0.2, label=2, norm=norm, clip=clip),
+                               SearchBudget(iterations=400, mesh_tol=1e-10))
         exact = float(torch.linalg.vector_norm(a[int(top[0])] - a[2], ord=1))
         assert float(res.q_ratio[0]) < exact * (1 - 1e-3) and float(res.q[0]) == pytest.approx(exact, rel=1e-9)
 
@@ -376,7 +387,8 @@ def test_pgd_finds_an_adversarial_example_inside_an_overstated_estimate() -> Non
     net = cliff_model()
     x = torch.full((3, 16), 0.5, dtype=torch.float64)
     x[2] = 0.3  # far from the cliff: u ≤ −0.1 in the ball, nothing to find
-    blind = quantify_safety(net, x, d=0.1, iterations=3, ascent_starts=0, statistic="estimate")
+    blind = quantify_safety(net, x, SafetyProperty(d=0.1), SearchBudget(iterations=3, ascent_starts=0),
+                            gated=GatedRadius("estimate"))
     assert blind.radius[:2].tolist() == [0.1, 0.1] and blind.value == 0.1
     assert bool(torch.isfinite(blind.pgd_distance[:2]).all()) and float(blind.pgd_distance[2]) == math.inf
     assert blind.closer_than_estimate.tolist() == [True, True, False]
@@ -385,12 +397,12 @@ def test_pgd_finds_an_adversarial_example_inside_an_overstated_estimate() -> Non
     pgd = blind.to_details()["pgd_check"]
     assert (pgd["checked"], pgd["closer_than_gated"], pgd["closer_than_gated_first"]) == (3, 2, [0, 1])
     assert "estimate (heuristic lower bound on Q ⇒ not a guarantee)" in blind.detail()
-    default = quantify_safety(net, x, d=0.1, iterations=3, ascent_starts=0)
+    default = quantify_safety(net, x, SafetyProperty(d=0.1), SearchBudget(iterations=3, ascent_starts=0))
     assert default.statistic == "certified" and default.contradiction is None
     assert default.value == pytest.approx(float(default.certified.min())) and default.value <= 0.0575
     assert default.to_details()["pgd_check"]["closer_than_estimate"] == 2  # reported, not gated
     assert "certified (CROWN)" in default.detail()
-    seeded = quantify_safety(net, x, d=0.1, iterations=3, statistic="estimate")
+    seeded = quantify_safety(net, x, SafetyProperty(d=0.1), SearchBudget(iterations=3), gated=GatedRadius("estimate"))
     assert seeded.contradiction is None and float(seeded.radius[0]) < 0.0575
     assert float(seeded.q_gradient[0]) > 10 * float(blind.q[0])
 
@@ -406,7 +418,8 @@ def test_a_model_without_input_gradients_skips_the_pgd_check_and_says_so() -> No
                 return self.net(x)
 
     x = torch.rand(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    res = quantify_safety(NoGrad().eval(), x, d=0.1, iterations=3, certified=None, statistic="estimate")
+    res = quantify_safety(NoGrad().eval(), x, SafetyProperty(d=0.1), SearchBudget(iterations=3), None,
+                          GatedRadius("estimate"))
     assert res.pgd_distance is None and "no input gradient" in res.pgd_reason
     assert float(res.q_gradient.max()) == 0.0 and "PGD check not run" in res.detail()
 
@@ -464,8 +477,8 @@ def test_every_point_found_lies_in_the_ball_and_the_valid_range(seed: int, d: fl
     x[0] = 0.0
     x[1] = 1.0  # on the edges of the valid range
     label = 1 if expression in ("top_vs_label", "reachability") else None
-    res = lipschitz_search(net, x, expression, label=label, d=d, norm=norm, method=method, iterations=15,
-                           starts=starts, seed=seed)
+    res = lipschitz_search(net, x, SafetyProperty(expression, d=d, label=label, norm=norm),
+                           SearchBudget(method, iterations=15, starts=starts), seed=seed)
     assert bool((res.x_hat >= 0).all() & (res.x_hat <= 1).all())
     assert bool((lp_norm(res.x_hat - x, norm) <= d * (1 + 1e-9)).all())
     ok = res.applicable
@@ -515,7 +528,8 @@ def test_certified_radius_needs_a_model_the_bounds_cover() -> None:
     assert cert is None and "Softmax" in reason
     cert, reason = certified_radius(LinearProbabilities([0.2, -0.1], 0.4), x, "reachability", d=0.1)
     assert cert is None and reason is not None
-    res = lipschitz_search(softmax, x, d=0.1, iterations=5, certified="crown")  # the estimate still comes
+    res = lipschitz_search(softmax, x, SafetyProperty(d=0.1), SearchBudget(iterations=5),
+                           certification=Certification("crown"))  # the estimate still comes
     assert res.certified is None and "Softmax" in res.certified_reason and bool((res.radius > 0).all())
 
 
@@ -527,8 +541,8 @@ def digits_run():
     x, _ = digits_images()
     x = x[1200:1232]
     model = digits_cnn()
-    return x, quantify_safety(model, x, d=0.05, iterations=15, starts=2, batch_size=16, certified="crown",
-                              bisection_steps=6, worst=4)
+    return x, quantify_safety(model, x, SafetyProperty(d=0.05), SearchBudget(iterations=15, starts=2),
+                              Certification("crown", steps=6), GatedRadius(worst=4), batch_size=16)
 
 
 def test_digits_images(digits_run) -> None:
@@ -582,12 +596,13 @@ BAD = [
 def test_bad_inputs_name_the_fix(options: dict, error: type, message: str) -> None:
     x, _ = digits_images(4)
     opts = {"d": 0.1, "iterations": 2, **options}
-    with pytest.raises(error, match=message):
-        lipschitz_search(digits_cnn(), x, **opts)
+    search = {name: opts.pop(name) for name in ("method", "iterations", "contraction") if name in opts}
+    with pytest.raises(error, match=message):  # the records check their options when they are built
+        lipschitz_search(digits_cnn(), x, SafetyProperty(**opts), SearchBudget(**search))
 
 
 def test_non_finite_inputs_are_a_data_error() -> None:
     x, _ = digits_images(4)
     x[1, 0, 3, 3] = math.nan
     with pytest.raises(DataError, match="NaN or infinite.*Fix: "):
-        lipschitz_search(digits_cnn(), x, d=0.1, iterations=2)
+        lipschitz_search(digits_cnn(), x, SafetyProperty(d=0.1), SearchBudget(iterations=2))

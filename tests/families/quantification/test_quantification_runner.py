@@ -23,11 +23,13 @@ from test_occlusion_runner import OneAtATime
 
 from pytest_dnnsafety.runtime import torchrun as ranks
 from pytest_dnnsafety.engines.core.base import Engine
-from pytest_dnnsafety.engines.quantification import SafeRadiusEngine, quantify_safety
+from pytest_dnnsafety.engines.quantification import (Certification, GatedRadius, SafeRadiusEngine, SafetyProperty,
+                                                     SearchBudget, quantify_safety)
 from pytest_dnnsafety.engines.quantification.engine import PER_INPUT
 
 N = 12
-OPTIONS: dict[str, Any] = {"d": 0.2, "iterations": 6, "starts": 2, "method": "mads", "worst": 4}
+#: the property, the search, the certificate and the gated statistic
+OPTIONS = (SafetyProperty(d=0.2), SearchBudget("mads", iterations=6, starts=2), Certification(), GatedRadius(worst=4))
 
 
 def _net() -> torch.nn.Module:
@@ -59,17 +61,17 @@ def _plain(result: Any) -> dict[str, Any]:
 def test_a_loader_read_one_item_at_a_time_equals_the_tensors() -> None:
     x, y = _data()
     dataset = OneAtATime(x, y)
-    streamed = quantify_safety(_net(), torch.utils.data.DataLoader(dataset, batch_size=5), **OPTIONS)
+    streamed = quantify_safety(_net(), torch.utils.data.DataLoader(dataset, batch_size=5), *OPTIONS)
     assert dataset.reads == N
-    assert _plain(streamed) == _plain(quantify_safety(_net(), (x, y), batch_size=5, **OPTIONS))
+    assert _plain(streamed) == _plain(quantify_safety(_net(), (x, y), *OPTIONS, batch_size=5))
     assert streamed.worst and streamed.certified is not None
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])
 def test_per_input_results_and_worst_inputs_do_not_depend_on_the_batch_size(batch_size: int) -> None:
     x, y = _data()
-    whole = quantify_safety(_net(), (x, y), batch_size=N, **OPTIONS)
-    split = quantify_safety(_net(), (x, y), batch_size=batch_size, **OPTIONS)
+    whole = quantify_safety(_net(), (x, y), *OPTIONS, batch_size=N)
+    split = quantify_safety(_net(), (x, y), *OPTIONS, batch_size=batch_size)
     for name in ("s", "q", "radius", "certified", "unsafe_distance", "pgd_distance", "q_ratio", "q_gradient"):
         torch.testing.assert_close(getattr(split, name), getattr(whole, name), rtol=0, atol=1e-12)
     for name in ("iterations", "evaluations", "converged", "applicable"):
@@ -82,7 +84,7 @@ def test_tied_worst_inputs_are_the_first_ones() -> None:
     # four copies of one input: equal radii, so the worst inputs are the first, in index order
     x, _ = _data()
     same = x[:1].repeat(9, 1)
-    result = quantify_safety(_net(), same, batch_size=4, **OPTIONS)
+    result = quantify_safety(_net(), same, *OPTIONS, batch_size=4)
     assert [w["index"] for w in result.worst] == [0, 1, 2, 3]
     assert all(torch.equal(point[0], same[0]) for point in result.worst_points)
 
@@ -123,16 +125,15 @@ def _rank_quantify(rank: int, world: int) -> dict[str, Any]:
     x, y = _data()
     out: dict[str, Any] = {}
     loader = torch.utils.data.DataLoader(OneAtATime(x, y), batch_size=3)
-    for name, data, batch_size, options in (("tensors", (x, y), 4, OPTIONS),
-                                            ("loader", loader, 3, OPTIONS),
-                                            ("estimate", (x, y), 4, {**OPTIONS, "statistic": "estimate",
-                                                                     "certified": None, "quantile": 0.5})):
+    estimate = (*OPTIONS[:2], None, GatedRadius("estimate", quantile=0.5, worst=4))
+    for name, data, batch_size, options in (("tensors", (x, y), 4, OPTIONS), ("loader", loader, 3, OPTIONS),
+                                            ("estimate", (x, y), 4, estimate)):
         shard = ranks.batch_shard(data, batch_size)
         assert shard is not None and shard.world_size == world
-        out[name] = _plain(quantify_safety(_net(), data, batch_size=batch_size, shard=shard, **options))
+        out[name] = _plain(quantify_safety(_net(), data, *options, batch_size=batch_size, shard=shard))
         out[name + "_rows"] = list(shard.rows)
         if rank == 0:  # the single-process values, in this process (no collective without a shard)
-            out[name + "_single"] = _plain(quantify_safety(_net(), data, batch_size=batch_size, **options))
+            out[name + "_single"] = _plain(quantify_safety(_net(), data, *options, batch_size=batch_size))
     return out
 
 

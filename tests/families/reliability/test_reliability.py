@@ -17,6 +17,7 @@ from pytest_dnnsafety.engines.reliability import (
     CellTallyEngine,
     Grid,
     ReliabilityAssessor,
+    ReliabilityOptions,
     ReliabilityWarning,
     assess_reliability,
     closest_opposite_pair,
@@ -85,7 +86,8 @@ def test_eps_auto_reproduces_the_paper_grid() -> None:
     # two labelled points of different classes 2·0.004013 apart in L∞: r̂ = 0.004013 (the running example)
     x_lab = torch.tensor([[0.30, 0.30], [0.30 + 0.008026, 0.301], [0.9, 0.9]], dtype=torch.float64)
     y_lab = torch.tensor([0, 1, 1])
-    assessor = ReliabilityAssessor(_uniform(200, 0), (x_lab, y_lab), eps="auto", box=UNIT_BOX, bootstrap=0)
+    assessor = ReliabilityAssessor(_uniform(200, 0), (x_lab, y_lab),
+                                   options=ReliabilityOptions.of(eps="auto", box=UNIT_BOX, bootstrap=0))
     assert assessor.r_hat == pytest.approx(0.004013)
     assert assessor.grid.shape == (250, 250)
     assert assessor.grid.eps[0] == pytest.approx(0.004)
@@ -300,8 +302,8 @@ def test_mass_target_budget_and_conservative_rest() -> None:
 
 def test_big_grid_with_a_budget_keeps_the_top_cells() -> None:
     data = 0.5 + 0.01 * torch.randn(500, 2, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    assessor = _quiet(ReliabilityAssessor, data, eps=2.0e-4, box=UNIT_BOX, max_cells=50, bootstrap=0,
-                      samples_per_cell=2)
+    assessor = _quiet(ReliabilityAssessor, data, options=ReliabilityOptions.of(eps=2.0e-4, box=UNIT_BOX, max_cells=50,
+                                                                               bootstrap=0, samples_per_cell=2))
     assert assessor.grid.n_cells == 25_000_000
     centres = assessor.grid.centres(assessor._flat)
     assert torch.all((centres - 0.5).abs().max(1).values < 0.01)  # the densest cells, around the mode
@@ -327,11 +329,11 @@ def test_results_do_not_depend_on_batch_size_or_worker_split() -> None:
     data = _uniform(400, 14)
     labelled = (_uniform(400, 15), _truth(_uniform(400, 15)))
     kw = dict(eps=0.1, box=UNIT_BOX, samples_per_cell=300, bootstrap=0, seed=5)
-    small = _quiet(ReliabilityAssessor, data, labelled, batch_size=4096, **kw)
-    large = _quiet(ReliabilityAssessor, data, labelled, batch_size=40960, **kw)
+    small = _quiet(ReliabilityAssessor, data, labelled, options=ReliabilityOptions.of(batch_size=4096, **kw))
+    large = _quiet(ReliabilityAssessor, data, labelled, options=ReliabilityOptions.of(batch_size=40960, **kw))
     ref = small.sample(mlp)
     assert torch.equal(ref.counts, large.sample(mlp).counts)
-    parts = [_quiet(ReliabilityAssessor, data, labelled, **kw) for _ in range(3)]
+    parts = [_quiet(ReliabilityAssessor, data, labelled, options=ReliabilityOptions.of(**kw)) for _ in range(3)]
     engines = [p.sample(mlp, rank=r, world_size=3) for r, p in enumerate(parts)]
     merged = engines[0].merge(engines[1]).merge(engines[2])
     assert torch.equal(merged.counts, ref.counts)
@@ -342,8 +344,8 @@ def test_results_do_not_depend_on_batch_size_or_worker_split() -> None:
 
 def test_proportional_allocation() -> None:
     data = 0.5 + 0.15 * torch.randn(3000, 2, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
-    assessor = _quiet(ReliabilityAssessor, data, eps=0.1, box=UNIT_BOX, samples_per_cell=100,
-                      allocation="proportional", bootstrap=0)
+    assessor = _quiet(ReliabilityAssessor, data, options=ReliabilityOptions.of(eps=0.1, box=UNIT_BOX, samples_per_cell=100,
+                                                                               allocation="proportional", bootstrap=0))
     share = assessor._op / assessor._op.sum()
     expected = torch.round(share * 100 * 100).clamp_min(1).to(torch.int64)
     assert torch.equal(assessor._trials, expected)

@@ -14,6 +14,7 @@ from conftest import GateProject
 from pytest_dnnsafety.stats import intervals as stats
 from pytest_dnnsafety.engines.reliability import (
     ReliabilityAssessor,
+    ReliabilityOptions,
     ReliabilityWarning,
     assess_reliability,
 )
@@ -213,11 +214,12 @@ def test_stages_add_up_budget_kept_and_same_seed_same_numbers() -> None:
 def test_batch_size_and_rank_split_do_not_change_the_result() -> None:
     op, labelled = _data()
     model = _strip_model(0.05, 0.02)
-    small = _quiet(ReliabilityAssessor, op, labelled, batch_size=4096, **KW)
-    large = _quiet(ReliabilityAssessor, op, labelled, batch_size=5 * 4096, **KW)
+    small = _quiet(ReliabilityAssessor, op, labelled, options=ReliabilityOptions.of(batch_size=4096, **KW))
+    large = _quiet(ReliabilityAssessor, op, labelled, options=ReliabilityOptions.of(batch_size=5 * 4096, **KW))
     ref = small.sample(model)
     assert torch.equal(ref.counts, large.sample(model).counts)
-    parts = [_quiet(ReliabilityAssessor, op, labelled, batch_size=4096, **KW) for _ in range(3)]
+    parts = [_quiet(ReliabilityAssessor, op, labelled, options=ReliabilityOptions.of(batch_size=4096, **KW))
+             for _ in range(3)]
     engines = [p.sample(model, rank=r, world_size=3) for r, p in enumerate(parts)]
     assert all(p.queries_pilot == small.queries_pilot for p in parts)  # every rank runs the whole pilot
     merged = engines[0].merge(engines[1]).merge(engines[2])
@@ -261,7 +263,8 @@ def test_bad_options_are_rejected_with_the_fix() -> None:
     ]
     for options, message in cases:
         with pytest.raises(ConfigError, match=message):
-            _quiet(ReliabilityAssessor, op, labelled, eps=0.1, box=UNIT_BOX, bootstrap=0, **options)
+            _quiet(ReliabilityAssessor, op, labelled,
+                   options=ReliabilityOptions.of(eps=0.1, box=UNIT_BOX, bootstrap=0, **options))
 
 
 # ====================================================================== the gate
@@ -327,22 +330,24 @@ def test_a_large_grid_warns_with_its_memory_and_queries_before_planning() -> Non
         warnings.simplefilter("error", ReliabilityWarning)  # raised before any planning work is done
         with pytest.raises(ReliabilityWarning, match=r"3163 × 3163 evaluates up to 10,004,569 cells: .* GiB of "
                                                      r"memory .* 1e\+10 model queries.*Fix: fewer bootstrap"):
-            ReliabilityAssessor(x, eps=1.0 / 3163, box=UNIT_BOX, samples_per_cell=1000, bootstrap=100)
-    memory, queries = _quiet(ReliabilityAssessor, x, eps=0.1, box=UNIT_BOX, samples_per_cell=10,
-                             bootstrap=20)._estimate_cost()
+            ReliabilityAssessor(x, options=ReliabilityOptions.of(eps=1.0 / 3163, box=UNIT_BOX, samples_per_cell=1000,
+                                                                 bootstrap=100))
+    memory, queries = _quiet(ReliabilityAssessor, x, options=ReliabilityOptions.of(eps=0.1, box=UNIT_BOX,
+                                                                                   samples_per_cell=10,
+                                                                                   bootstrap=20))._estimate_cost()
     assert queries == 1000 and 100 * 20 * 8 < memory < 2**20
 
 
 _PEAK = """
 import resource, sys, warnings, torch
 warnings.simplefilter("ignore")
-from pytest_dnnsafety.engines.reliability import ReliabilityAssessor, planning
+from pytest_dnnsafety.engines.reliability import ReliabilityAssessor, ReliabilityOptions, planning
 g, b = int(sys.argv[1]), int(sys.argv[2])
 planning.HELD_REPLICATES = int(sys.argv[3])
 x = torch.rand(1000, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-a = ReliabilityAssessor(x, eps=1.0 / g, box=([0, 0], [1, 1]), samples_per_cell=1, bootstrap=b, num_classes=2,
-                        compare_methods=())
+a = ReliabilityAssessor(x, options=ReliabilityOptions.of(eps=1.0 / g, box=([0, 0], [1, 1]), samples_per_cell=1,
+                                                         bootstrap=b, num_classes=2, compare_methods=()))
 a.assess(lambda z: (z[:, 0] > 0.5).long())
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024, a._estimate_cost()[0])
 """
@@ -381,9 +386,9 @@ def test_streamed_replicates_give_the_held_numbers(options: dict, monkeypatch: p
     model = _strip_model(0.05, 0.03)
     kw = dict(eps=0.1, box=UNIT_BOX, samples_per_cell=50, bootstrap=20, seed=2,
               compare_methods=("clopper-pearson", "jeffreys", "normal"), **options)
-    held = _quiet(ReliabilityAssessor, op, labelled, **kw)
+    held = _quiet(ReliabilityAssessor, op, labelled, options=ReliabilityOptions.of(**kw))
     monkeypatch.setattr(planning, "HELD_REPLICATES", 0)
-    streamed = _quiet(ReliabilityAssessor, op, labelled, **kw)
+    streamed = _quiet(ReliabilityAssessor, op, labelled, options=ReliabilityOptions.of(**kw))
     assert held._reps is not None and streamed._reps is None and streamed._streamed is not None
     a, b = held.assess(model), streamed.assess(model)
     assert a.model_queries == b.model_queries and a.E == pytest.approx(b.E, rel=1e-12)

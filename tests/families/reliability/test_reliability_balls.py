@@ -16,6 +16,7 @@ from pytest_dnnsafety.engines.reliability import (
     EMPTY,
     NORMAL,
     ReliabilityAssessor,
+    ReliabilityOptions,
     ReliabilityWarning,
     assess_reliability,
     r_separation,
@@ -199,14 +200,14 @@ def test_result_does_not_depend_on_batch_size(norm: str) -> None:
 def test_op_masses_variance_and_bootstrap() -> None:
     centres = _rand((30, 2), 5)
     model = lambda x: (x[:, 0] > 0.5).long()  # noqa: E731
-    with_boot = ReliabilityAssessor(centres, cells="balls", radius=0.1, bootstrap=50, num_classes=2,
-                                    samples_per_cell=50)
+    with_boot = ReliabilityAssessor(centres, options=ReliabilityOptions.of(cells="balls", radius=0.1, bootstrap=50,
+                                                                           num_classes=2, samples_per_cell=50))
     m = 30
     assert torch.allclose(with_boot._op, torch.full((m,), 1 / m, dtype=torch.float64))
     assert torch.allclose(with_boot._op_var, torch.full((m,), (1 / m) * (1 - 1 / m) / m, dtype=torch.float64))
     assert with_boot._reps is not None and torch.allclose(with_boot._reps.sum(1), torch.ones(50, dtype=torch.float64))
-    no_boot = ReliabilityAssessor(centres, cells="balls", radius=0.1, bootstrap=0, num_classes=2,
-                                  samples_per_cell=50)
+    no_boot = ReliabilityAssessor(centres, options=ReliabilityOptions.of(cells="balls", radius=0.1, bootstrap=0,
+                                                                         num_classes=2, samples_per_cell=50))
     assert float(no_boot._op_var.abs().max()) == 0.0
     a, b = with_boot.assess(model), no_boot.assess(model)
     assert a.E == b.E and a.Var > b.Var
@@ -243,7 +244,8 @@ def test_auto_radius_is_r_separation_under_the_norm_and_capped() -> None:
     y = (x[:, 0] > 0.5).long()
     for norm in ("linf", "l2"):
         r_hat = r_separation(x, y, norm=norm)
-        a = ReliabilityAssessor(x, (x, y), cells="balls", norm=norm, bootstrap=0, samples_per_cell=10)
+        a = ReliabilityAssessor(x, (x, y), options=ReliabilityOptions.of(cells="balls", norm=norm, bootstrap=0,
+                                                                         samples_per_cell=10))
         assert a.r_hat == pytest.approx(r_hat, rel=1e-12)
         assert a.radius is not None and a.radius < r_hat and a.radius == pytest.approx(min(r_hat, 0.1 * (
             float((x.max(0).values - x.min(0).values).max()) if norm == "linf"
@@ -257,39 +259,42 @@ def test_auto_radius_is_r_separation_under_the_norm_and_capped() -> None:
     assert r_separation(wide, wide_y) == float(linf[wide_y[:, None] != wide_y[None, :]].min()) / 2
     # classes far apart: the cap (a tenth of the data's diameter) applies
     far_x = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
-    a = ReliabilityAssessor(far_x, (far_x, torch.tensor([0, 1])), cells="balls", bootstrap=0, samples_per_cell=10)
+    a = ReliabilityAssessor(far_x, (far_x, torch.tensor([0, 1])),
+                            options=ReliabilityOptions.of(cells="balls", bootstrap=0, samples_per_cell=10))
     assert a.radius == pytest.approx(AUTO_RADIUS_CAP * 1.0)
 
 
 def test_errors_name_the_fix() -> None:
     x = _rand((10, 2), 8)
     with pytest.raises(ConfigError, match="cells must be"):
-        ReliabilityAssessor(x, cells="hexagons")
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="hexagons"))
     for bad in (0.0, -0.1, float("nan"), "big"):
         with pytest.raises(ConfigError, match="radius"):
-            ReliabilityAssessor(x, cells="balls", radius=bad)
+            ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=bad))
     with pytest.raises(ConfigError, match="labelled"):
-        ReliabilityAssessor(x, cells="balls")  # radius 'auto' without labelled data
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls"))  # radius 'auto' without labelled data
     with pytest.raises(ConfigError, match="norm"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, norm="l1")
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, norm="l1"))
     with pytest.raises(ConfigError, match="empty_cell_label"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, empty_cell_label="vote")
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, empty_cell_label="vote"))
     with pytest.raises(ConfigError, match="labels empty cells from the labelled points"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, empty_cell_label="nearest")  # no labelled points
+        # no labelled points
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, empty_cell_label="nearest"))
     with pytest.raises(ConfigError, match="radius"):
-        ReliabilityAssessor(x, cells="balls", eps=0.1)
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", eps=0.1))
     with pytest.raises(ConfigError, match="max_balls"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, max_cells=3)
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, max_cells=3))
     with pytest.raises(ConfigError, match="cells='balls' only"):
-        ReliabilityAssessor(x, radius=0.1, eps=0.5, box=([0, 0], [1, 1]))
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(radius=0.1, eps=0.5, box=([0, 0], [1, 1])))
     with pytest.raises(ConfigError, match="clip"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, clip=(1.0, 0.0))
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, clip=(1.0, 0.0)))
     with pytest.raises(DataError, match="outside clip"):
-        ReliabilityAssessor(x + 2, cells="balls", radius=0.1, clip=(0.0, 1.0))
+        ReliabilityAssessor(x + 2, options=ReliabilityOptions.of(cells="balls", radius=0.1, clip=(0.0, 1.0)))
     with pytest.raises(DataError, match="values each"):
-        ReliabilityAssessor(x, (torch.zeros(3, 5), torch.tensor([0, 1, 0])), cells="balls", radius=0.1)
+        ReliabilityAssessor(x, (torch.zeros(3, 5), torch.tensor([0, 1, 0])),
+                            options=ReliabilityOptions.of(cells="balls", radius=0.1))
     with pytest.raises(ConfigError, match="max_balls"):
-        ReliabilityAssessor(x, cells="balls", radius=0.1, max_balls=0)
+        ReliabilityAssessor(x, options=ReliabilityOptions.of(cells="balls", radius=0.1, max_balls=0))
 
 
 class _TinyConv(torch.nn.Module):

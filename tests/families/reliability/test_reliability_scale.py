@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _streaming import FAMILIES, write_project
 from pytest_dnnsafety.runtime import torchrun as ranks
-from pytest_dnnsafety.engines.reliability import BLOCK, ReliabilityAssessor, assess_reliability, streamed
+from pytest_dnnsafety.engines.reliability import (BLOCK, ReliabilityAssessor, ReliabilityOptions, assess_reliability,
+                                                   streamed)
 from pytest_dnnsafety.engines.reliability.sampler import block_size
 from pytest_dnnsafety.errors import DataError, MetricError
 
@@ -175,13 +176,13 @@ def test_streamed_balls_hold_a_bounded_block_and_shard_like_one_process(monkeypa
     monkeypatch.setattr(streamed, "_ball_distances", spy)
     options = dict(cells="balls", radius=0.05, clip=(0.0, 1.0), samples_per_cell=1000, bootstrap=0, seed=1)
     loaders = (DataLoader(TensorDataset(x), batch_size=8), DataLoader(TensorDataset(x, y), batch_size=8))
-    single = ReliabilityAssessor(*loaders, **options)
+    single = ReliabilityAssessor(*loaders, options=ReliabilityOptions.of(**options))
     assert max(seen) <= 10
     engine = single.sample(_pixel_model)
     held_rows = []
     parts = []
     for rank in range(3):  # each rank's window starts a pass and skips to its first block
-        assessor = ReliabilityAssessor(*loaders, **options)
+        assessor = ReliabilityAssessor(*loaders, options=ReliabilityOptions.of(**options))
         parts.append(assessor.sample(_pixel_model, rank=rank, world_size=3))
         held_rows.append(int(assessor._window._held.shape[0]))
     merged = parts[0]
@@ -196,7 +197,7 @@ def test_streamed_loaders_must_be_ordered_and_re_iterable() -> None:
     y = torch.arange(20) % 2
     shuffled = DataLoader(TensorDataset(x, y), batch_size=5, shuffle=True)
     with pytest.raises(DataError, match="shuffle=False"):
-        ReliabilityAssessor(x, shuffled, cells="balls", radius=0.05)
+        ReliabilityAssessor(x, shuffled, options=ReliabilityOptions.of(cells="balls", radius=0.05))
 
     class Once(torch.utils.data.IterableDataset):
         def __init__(self) -> None:
@@ -209,10 +210,11 @@ def test_streamed_loaders_must_be_ordered_and_re_iterable() -> None:
             return iter(zip(x, y))
 
     with pytest.raises(DataError, match="re-iterable"):
-        ReliabilityAssessor(x, DataLoader(Once(), batch_size=5), cells="balls", radius=0.05)
+        ReliabilityAssessor(x, DataLoader(Once(), batch_size=5),
+                            options=ReliabilityOptions.of(cells="balls", radius=0.05))
     unlabelled = DataLoader(TensorDataset(x), batch_size=5)
     with pytest.raises(DataError, match="without labels"):
-        ReliabilityAssessor(x, unlabelled, cells="balls", radius=0.05)
+        ReliabilityAssessor(x, unlabelled, options=ReliabilityOptions.of(cells="balls", radius=0.05))
 
 
 @pytest.mark.slow
