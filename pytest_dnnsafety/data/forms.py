@@ -5,7 +5,7 @@
 samples without reading them. A ``DataLoader`` that does not read its dataset in index order (a
 random or reordering sampler) is refused everywhere: gates link data rows to scenario rows by
 position, and the same data must give the same numbers every time. File formats are read in
-:mod:`.loading`.
+:mod:`pytest_dnnsafety.files.loading`.
 """
 
 from __future__ import annotations

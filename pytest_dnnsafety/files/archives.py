@@ -3,7 +3,7 @@
 * :func:`check_torch_file` walks every pickle of a ``torch.save`` file opcode by opcode
   (:func:`pickletools.genops`; nothing is executed) and refuses any global outside the tensor
   allow-list of torch's ``weights_only`` loader (:class:`Refused`).
-* :mod:`.export_archive` builds the ``.pt2`` check on these pieces.
+* :mod:`.pt2_archive` builds the ``.pt2`` check on these pieces.
 * :func:`weights_only_forced` makes every ``torch.load`` inside it use the weights-only unpickler,
   also where torch itself passes ``weights_only=False`` (``torch.export.load``'s fallback), and
   turns off the plain ``pickle.loads`` of torch's ``.pt2`` reader (opaque object constants).
@@ -326,7 +326,7 @@ class _NoPlainUnpickling:
     """Stands in for :mod:`pickle` inside torch's ``.pt2`` reader: its ``loads`` refuses.
 
     ``torch/export/pt2_archive/_package.py`` reads opaque object constants with a bare
-    ``pickle.loads``, which no environment variable restricts. :mod:`.export_archive` refuses such
+    ``pickle.loads``, which no environment variable restricts. :mod:`.pt2_archive` refuses such
     archives before loading; this is the second lock on the same door.
     """
 

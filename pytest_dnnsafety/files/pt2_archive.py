@@ -15,7 +15,7 @@ archive's own configs and names, never by what a member looks like:
   ``serialized_*.pt``/``.json`` members of the pre-2.8 format, which ``torch.export.load`` falls
   back to whenever the new reader raises ``RuntimeError`` (a member outside the top folder will do).
 * ``models/<model>.json`` (and the legacy ``serialized_exported_program.json``) becomes Python
-  in several ways: :mod:`.export_program` says which, and what it admits.
+  in several ways: :mod:`.pt2_program` says which, and what it admits.
 * ``data/aotinductor/``: native code, loaded and run.
 
 Member lookup is torch's (``PyTorchStreamReader``): the path is prefixed by the first member's
@@ -24,7 +24,7 @@ which of duplicate names it returns is miniz's choice (the last, in torch 2.13).
 :func:`check_export_archive` therefore scans every member that any lookup could return, refuses
 custom and opaque objects and anything that is not a tensor pickle under the ``weights_only``
 allow-list (any protocol 0–5, header or not), refuses config paths that are not plain relative
-names, and refuses program JSON that :mod:`.export_program` finds code in. While the file then
+names, and refuses program JSON that :mod:`.pt2_program` finds code in. While the file then
 loads, :func:`.archives.weights_only_forced` is a second lock on every pickle path.
 
 Used by :mod:`.loading`; no pytest import.
@@ -235,7 +235,7 @@ def _scan_stray(records: _Records, info: zipfile.ZipInfo) -> None:
 
 
 def _check_program_json(records: _Records, info: zipfile.ZipInfo) -> None:
-    """Refuse a program JSON that holds code: see :func:`.export_program.program_problem`."""
+    """Refuse a program JSON that holds code: see :func:`.pt2_program.program_problem`."""
     try:
         program = json.loads(read_member(records.archive, info))
     except (UnicodeDecodeError, ValueError, RecursionError):

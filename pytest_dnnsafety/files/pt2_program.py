@@ -24,7 +24,7 @@ symbolic-size functions torch itself serializes; :func:`example_inputs_problem` 
 plain keys. Free text that torch keeps as metadata (stack traces, module stacks, string arguments,
 which it writes with ``repr``) is not restricted.
 
-Used by :mod:`.export_archive` and :mod:`.loading`; no pytest import.
+Used by :mod:`.pt2_archive` and :mod:`.loading`; no pytest import.
 """
 
 from __future__ import annotations

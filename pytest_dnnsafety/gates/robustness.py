@@ -11,7 +11,7 @@ bound): a random-output or constant model has no true-class confidence to lose, 
 is no evidence of robustness. Detectors (``task='detection'``): per ground-truth object, the confidence is
 its matched score (the best same-class detection with IoU ≥ ``iou``, Cheng et al. 2018 §II-F step 2), the
 natural families perturb the images and the gradient families (fgsm, pgd) descend the sum of each
-image's matched scores (:mod:`..engines.robustness.detection`); robust accuracy is then the share of
+image's matched scores (:mod:`..engines.robustness.detector`); robust accuracy is then the share of
 objects detected (matched score ≥ 0.5) clean and under every family, and the loss is inconclusive when
 no object is detected on the clean images (no confidence to lose). Under torchrun every gate measures its
 rank's shard of the batches and the ranks' states are all-reduced (the single-process values). No torch

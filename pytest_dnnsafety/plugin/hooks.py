@@ -1,9 +1,10 @@
 """pytest hooks, options, markers and fixtures of pytest-dnnsafety.
 
-Thin glue: settings live in :mod:`.config`, the gate mechanism and the built-in gate families in
-:mod:`.gates`, the plugin's own hooks in :mod:`.hookspecs`, the per-run state (plan, results,
-provenance; one class per process role) in :mod:`.session`, loading in :mod:`.loading`, metrics in :mod:`.engines`,
-rendering in :mod:`.report`. torch is imported only when a fixture or gate needs it, so a project
+Thin glue: settings live in :mod:`pytest_dnnsafety.settings`, the gate mechanism and the built-in gate families
+in :mod:`pytest_dnnsafety.gates`, the plugin's own hooks in :mod:`pytest_dnnsafety.gates.hookspecs`, the per-run
+state (plan, results, provenance; one class per process role) in :mod:`.session`, the fixture loaders in
+:mod:`.fixtures` and :mod:`pytest_dnnsafety.files.loading`, metrics in :mod:`pytest_dnnsafety.engines`,
+rendering in :mod:`pytest_dnnsafety.report`. torch is imported only when a fixture or gate needs it, so a project
 that never uses the plugin pays nothing.
 
 Gate markers come from the ``pytest_dnnsafety_register_gates`` hook: the built-in family modules

@@ -105,7 +105,7 @@ class ScenarioGroups:
 
     def check_rows(self, n_rows: int) -> None:
         """Refuse data of ``n_rows`` rows when the table describes another number (a torchrun rank checks the
-        whole data's rows: :attr:`~pytest_dnnsafety.runtime.torchrun.Shard.n_rows`)."""
+        whole data's rows: ``Shard.n_rows`` (:class:`~pytest_dnnsafety.runtime.torchrun.Shard`))."""
         if self.table is not None:
             check_rows_match(self.table, n_rows, table_fixture=self.fixtures["scenarios"],
                              data_fixture=self.fixtures["data"])

@@ -1,6 +1,6 @@
 """The backward half of CROWN (Zhang et al. 2018) for :class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel`.
 
-:class:`BoundState` holds one call's ops (from :mod:`.bounds_ops`), the IBP bounds of every node
+:class:`BoundState` holds one call's ops (from :mod:`.ops`), the IBP bounds of every node
 (Gowal et al. 2018), the tightened bounds of the inputs of the nonlinear nodes and their
 relaxations, and runs the backward linear bound propagation:
 

@@ -188,7 +188,7 @@ def concat_dim(node: fx.Node, tensor_args: list[fx.Node], ndim: int | None) -> i
 
 def concat_pieces(node: fx.Node, env: dict[fx.Node, Any], index: dict[fx.Node, int], ndim: int,
                   like: Tensor) -> list[Tensor | None]:
-    """The pieces of a ``torch.cat`` node for :class:`~.bounds_ops.ConcatOp`: None for a bounded tensor,
+    """The pieces of a ``torch.cat`` node for :class:`~.ops.ConcatOp`: None for a bounded tensor,
     ``(1, ...)`` for a constant shared by every sample (checked on the probe batch of 2, in ``like``'s dtype)."""
     pieces: list[Tensor | None] = []
     for piece in node.args[0]:

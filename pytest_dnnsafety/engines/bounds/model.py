@@ -135,10 +135,10 @@ class BoundedModel:
 
     ``model``: an eval-mode ``nn.Module`` whose forward takes one input tensor ``(B, ...)`` and
     returns one tensor. ``max_memory``: CROWN's working-memory budget in bytes (an int, or text
-    such as ``"2GiB"``/``"512MiB"``; default :data:`~.bounds_crown.DEFAULT_MAX_MEMORY`, 1 GiB): half
+    such as ``"2GiB"``/``"512MiB"``; default :data:`~.crown.DEFAULT_MAX_MEMORY`, 1 GiB): half
     for the per-input state (the batch is bounded in parts that fit it), half for the coefficient
     tensors of the backward passes (chunked over inputs and bounded rows; see
-    :func:`~.bounds_crown.memory_plan`). ``max_elements``: the largest intermediate coefficient
+    :func:`~.crown.memory_plan`). ``max_elements``: the largest intermediate coefficient
     tensor CROWN builds (values), derived from ``max_memory`` when not given (2^24 ≈ 64 MB in
     float32 at the default). Chunking never changes a bound. Raises :class:`UnsupportedLayerError` for anything it
     cannot bound, naming the layer and its type.

@@ -21,7 +21,7 @@ first dimension). An op knows three things:
     ``y ≤ max_j u_j``, or ``y = x_{j*}`` exactly when ``l_{j*} ≥ u_j`` for every other ``j``;
   - elementwise activations (:class:`ElementwiseOp`): two lines per neuron,
     ``al·x + bl ≤ f(x) ≤ au·x + bu`` on ``[l, u]``; LeakyReLU here (the ReLU relaxation with the
-    negative slope), the smooth ones (sigmoid, tanh, GELU, SiLU) in :mod:`.bounds_smooth`.
+    negative slope), the smooth ones (sigmoid, tanh, GELU, SiLU) in :mod:`.smooth`.
 
 Multi-input linear ops: residual sums (:class:`SumOp`) and ``torch.cat`` (:class:`ConcatOp`, whose
 transpose splits the coefficients). A transposed convolution (:class:`ConvTransposeOp`) goes back

@@ -245,5 +245,5 @@ def silu_op(*head: Any) -> GridOp:
     return GridOp(*head, F.silu, _silu_d, M2["silu"], _SILU_STAR)
 
 
-#: The smooth activations by kind (the names :mod:`.bounds` classifies nodes into).
+#: The smooth activations by kind (the names :mod:`.model` classifies nodes into).
 ACTIVATIONS = {"sigmoid": sigmoid_op, "tanh": tanh_op, "gelu": gelu_op, "silu": silu_op}

@@ -1,6 +1,6 @@
-"""Argument and activation checks shared by the neuron engines (:mod:`.neurons`, :mod:`.patterns`).
+"""Argument and activation checks shared by the neuron engines (:mod:`.kactivation`, :mod:`.patterns`).
 
-Their own module so that :mod:`.patterns` needs nothing from :mod:`.neurons` (which re-exports the
+Their own module so that :mod:`.patterns` needs nothing from :mod:`.kactivation` (which re-exports the
 pattern engine): the imports run one way. Pure torch; no pytest import.
 """
 

@@ -1,7 +1,7 @@
 """The neuron activation-pattern metric M_neu-pattern (Cheng et al. 2018, §II-C, eq. (3)).
 
 A neuron is *on* for an input iff its activation is strictly greater than ``activation_threshold``
-(as in :mod:`.neurons`); :class:`NeuronPatternEngine` groups inputs by how many neurons of the layer
+(as in :mod:`.kactivation`); :class:`NeuronPatternEngine` groups inputs by how many neurons of the layer
 they switch on and measures the share of inputs outside the dominant group and its neighbours.
 """
 

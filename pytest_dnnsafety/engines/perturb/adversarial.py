@@ -3,7 +3,7 @@
 Eq. (4) takes the worst of a list of input transformers ``T_i(in, ε)``; the paper names FGSM
 (Goodfellow et al. 2015) as its strongest one. This module holds the two gradient transformers,
 batched and pure torch, used by the robustness families (:mod:`..robustness.perturbations`, also
-importable from :mod:`..robustness.attacks`) and the adversarial fault families of the monitor
+importable from :mod:`..robustness.perturbations`) and the adversarial fault families of the monitor
 benchmark (:mod:`..monitors.faults`):
 
 * :func:`fgsm` — one signed (L∞) or normalised (L2) gradient step of size ε on the

@@ -21,7 +21,7 @@ Cell masses (the pooled OP of a box cell, eq. 3):
 
       ∫_{[a,b]} Op̂ = (1/N) Σ_j Π_k [Φ((b_k − X_jk)/h_k) − Φ((a_k − X_jk)/h_k)]
 
-Both are normalised over the evaluated domain by the caller (:mod:`.engines.reliability`).
+Both are normalised over the evaluated domain by the caller (:mod:`pytest_dnnsafety.engines.reliability`).
 
 Variance of the masses (eq. 11 / Appendix A): ``B`` bootstrap refits — the data resampled with
 replacement, the KDE refit with the bandwidth held at its full-data value — and the sample

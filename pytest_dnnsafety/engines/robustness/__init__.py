@@ -1,10 +1,10 @@
 """Robustness engines: perturbation families, adversarial confidence loss, certified bounds.
 
-* :mod:`.attacks` — FGSM and PGD under L∞ and L2 (one forward and one backward per step and batch);
+* :mod:`pytest_dnnsafety.engines.perturb.adversarial` — FGSM and PGD under L∞ and L2 (one forward and one backward per step and batch);
 * :mod:`.perturbations` — the perturbation families (attacks and natural perturbations) and
   :func:`make_family`; a user family is any callable ``(model, x, y, eps, generator) -> x'``;
 * :mod:`.confidence` — the adversarial confidence loss M_adv (Cheng et al. 2018, eq. 4);
-* :mod:`.bounds` (with :mod:`.bounds_ops`, :mod:`.bounds_crown`) — sound output bounds over an
+* :mod:`pytest_dnnsafety.engines.bounds` (the library: :mod:`~pytest_dnnsafety.engines.bounds.ops`, :mod:`~pytest_dnnsafety.engines.bounds.crown`) — sound output bounds over an
   L∞ box by interval bound propagation and CROWN-style linear relaxation;
 * :mod:`.verification` — verified / falsified / unknown per input;
 * :mod:`.plan` — what the robustness gates run: the attack plan of a classifier or a detector

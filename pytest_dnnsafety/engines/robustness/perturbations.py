@@ -24,8 +24,8 @@ family                    ε means                         x'
 ``occlusion``             patch side / shorter side       a square patch of side ``max(1, round(ε·min(H,W)))``
                                                           filled with ``clip[0]`` or 0 at up to 3×3
                                                           positions, the worst of them
-``fgsm`` / ``fgsm_l2``    L∞ / L2 radius, input units     :func:`~.attacks.fgsm`
-``pgd`` / ``pgd_l2``      L∞ / L2 radius, input units     :func:`~.attacks.pgd` (10 steps, random start)
+``fgsm`` / ``fgsm_l2``    L∞ / L2 radius, input units     :func:`~pytest_dnnsafety.engines.perturb.adversarial.fgsm`
+``pgd`` / ``pgd_l2``      L∞ / L2 radius, input units     :func:`~pytest_dnnsafety.engines.perturb.adversarial.pgd` (10 steps, random start)
 ========================  ==============================  ===================================================
 
 "The worse/worst of k candidates" is decided per input by one forward pass of all k·N
@@ -312,7 +312,7 @@ def _norm_name(norm: str) -> str:
 
 
 class FGSM(Family):
-    """:func:`~.attacks.fgsm` as a family (``fgsm``, or ``fgsm_l2`` with ``norm="l2"``)."""
+    """:func:`~pytest_dnnsafety.engines.perturb.adversarial.fgsm` as a family (``fgsm``, or ``fgsm_l2`` with ``norm="l2"``)."""
 
     name = "fgsm"
     unit = "L∞ radius in input units"
@@ -343,7 +343,7 @@ class FGSML2(FGSM):
 
 
 class PGD(Family):
-    """:func:`~.attacks.pgd` as a family (``pgd``, or ``pgd_l2`` with ``norm="l2"``); 10 steps, random start."""
+    """:func:`~pytest_dnnsafety.engines.perturb.adversarial.pgd` as a family (``pgd``, or ``pgd_l2`` with ``norm="l2"``); 10 steps, random start."""
 
     name = "pgd"
     unit = "L∞ radius in input units"

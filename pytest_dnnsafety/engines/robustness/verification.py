@@ -258,7 +258,7 @@ def verify_robustness(
     device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the
     batches (None: all of them); the ranks' states are all-reduced, so every rank gets the
     single-process result. ``max_memory``: the bounds' working-memory budget in bytes (int or text
-    such as ``"2GiB"``; None: 1 GiB), see :class:`~.bounds.BoundedModel` (chunks never change a bound).
+    such as ``"2GiB"``; None: 1 GiB), see :class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel` (chunks never change a bound).
 
     Host synchronisation: on an accelerator each batch synchronises once to select the undecided
     inputs (their count sizes the PGD batch, which spares the attack on every verified or
