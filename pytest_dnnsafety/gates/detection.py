@@ -37,10 +37,14 @@ __all__ = ["MIN_DETECTION_MAP", "MIN_DETECTION_RECALL", "pytest_dnnsafety_regist
 COCO_RANGE = "0.5:0.95"
 
 
-def _matching(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> tuple[Any, list[int]]:
-    """The gate's model and data matched once per session (:meth:`GateContext.memo`: the mAP and recall gates on the
-    same fixtures share it) from the shared forward pass, and the columns of ``iou`` among its thresholds."""
-    from pytest_dnnsafety.engines.detection.quality import match_detections, match_plan
+def _measure(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """``min_detection_map``: the worst group's mAP; ``min_detection_recall``: the worst (group, class) recall at the
+    score threshold (or the worst group's, per_class=False) — each its bootstrap lower bound, or its estimate with
+    statistic='estimate'. The model and data are matched once per session from the shared forward pass
+    (:meth:`GateContext.memo`: the mAP and recall gates on the same fixtures share one matching)."""
+    from pytest_dnnsafety.engines.detection.quality import (QualityOptions, match_detections, match_plan, worst_map,
+                                                            worst_recall)
+    from pytest_dnnsafety.scenarios.groups import ScenarioGroups, by_names
 
     opts = spec.options
     thresholds, columns = match_plan(opts["iou"])
@@ -49,31 +53,11 @@ def _matching(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> tuple[
                       lambda: merged(spec, fx, ctx, lambda shard: match_detections(
                           outputs_for(spec, fx, ctx, shard=shard), thresholds, shard=shard, batch_size=ctx.batch_size,
                           max_detections=opts["max_detections"], marker=spec.marker, data=spec.fixtures["data"])))
-    return engine, columns
-
-
-def _measure_map(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """The worst group's mAP: its bootstrap lower bound (or its estimate, with statistic='estimate')."""
-    from pytest_dnnsafety.engines.detection.quality import QualityOptions, worst_map
-    from pytest_dnnsafety.scenarios.groups import ScenarioGroups, by_names
-
-    engine, columns = _matching(spec, fx, ctx)
-    by = by_names(spec.options)
+    by = by_names(opts)
     groups = ScenarioGroups.of(scenario_table(spec, fx) if by else None, by, n_rows=engine.n_images,
                                fixtures=spec.fixtures)
-    return worst_map(engine, groups, columns, QualityOptions.of(spec.options, marker=spec.marker, seed=ctx.seed))
-
-
-def _measure_recall(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """The worst (group, class) recall at the score threshold — or the worst group's, per_class=False."""
-    from pytest_dnnsafety.engines.detection.quality import QualityOptions, worst_recall
-    from pytest_dnnsafety.scenarios.groups import ScenarioGroups, by_names
-
-    engine, columns = _matching(spec, fx, ctx)
-    by = by_names(spec.options)
-    groups = ScenarioGroups.of(scenario_table(spec, fx) if by else None, by, n_rows=engine.n_images,
-                               fixtures=spec.fixtures)
-    return worst_recall(engine, groups, columns, QualityOptions.of(spec.options, marker=spec.marker, seed=ctx.seed))
+    reading = worst_map if spec.marker == "min_detection_map" else worst_recall
+    return reading(engine, groups, columns, QualityOptions.of(opts, marker=spec.marker, seed=ctx.seed))
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -138,7 +122,7 @@ MIN_DETECTION_MAP = GateDef(
             *_COMMON),
     fixtures=_FIXTURES,
     conditional={"scenarios": "by"},
-    measure=_measure_map,
+    measure=_measure,
     tasks=("detection",),
     shards=True,
     doc="fail unless every scenario group of `by` (or all images) has a COCO mAP (Lin et al. 2014) whose "
@@ -159,7 +143,7 @@ MIN_DETECTION_RECALL = GateDef(
             *_COMMON),
     fixtures=_FIXTURES,
     conditional={"scenarios": "by"},
-    measure=_measure_recall,
+    measure=_measure,
     tasks=("detection",),
     shards=True,
     doc="fail unless every scenario group of `by` (or all images) finds each class's objects (IoU ≥ `iou`, score "
