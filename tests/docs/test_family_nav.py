@@ -7,23 +7,14 @@ placeholder is a build error naming the fix.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from pytest_dnnsafety.gates import builtin_registry
+from test_reference_pages import _hooks  # docs/hooks.py loaded as a module
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dnnsafety_docs_hooks", ROOT / "docs" / "hooks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_placeholder_is_filled_with_every_family_in_order() -> None:

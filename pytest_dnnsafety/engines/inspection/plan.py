@@ -20,6 +20,8 @@ Pure torch; no pytest import.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,7 +52,7 @@ def check_layer(model: Any, layer: str, marker: str) -> None:
 
 
 @dataclass(frozen=True)
-class InspectionPlan:
+class InspectionPlan(ABC):
     """A DeepInspect gate's options (``options``, by keyword, as the marker gave them); ``marker`` starts every
     error message and ``data`` (the data fixture's name) names the data in them. Use a task variant
     (:meth:`for_task`): construction refuses what the task cannot measure."""
@@ -141,13 +143,13 @@ class InspectionPlan:
         """What the outputs are (multi-label: 'logits' or 'probabilities', the same on every rank)."""
         return None
 
+    @abstractmethod
     def _engine(self, acts: Any, out: Any, k: int, kind: str | None) -> Any:
         """The task's engine, filled with this rank's active units, predictions and labels."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _compute(self, engine: Any, options: dict[str, Any]) -> tuple[Any, Any]:
         """The analysis of the merged counts and the ground truth (None without labels)."""
-        raise NotImplementedError
 
     def _active(self, acts: Any) -> Any:
         from pytest_dnnsafety.engines.inspection.kernels import layer_activity

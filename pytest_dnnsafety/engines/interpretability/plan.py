@@ -18,6 +18,8 @@ pass, issue #19 §4). Pure torch; no pytest import.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -32,7 +34,7 @@ LABELS = {"interpret": "M_interpret", "occsen": "M_OccSen"}
 
 
 @dataclass(frozen=True)
-class OcclusionPlan:
+class OcclusionPlan(ABC):
     """The occlusion gates' options, resolved (``size`` and ``stride`` as ``(h, w)``); ``marker`` starts every error
     message and ``aggregate`` ("mean", "min" or "max") is the gate's own. Use a task variant (:meth:`for_task`)."""
 
@@ -69,13 +71,13 @@ class OcclusionPlan:
         return {"size": self.size, "stride": self.stride, "fill": self.fill, "rho": self.rho, "target": self.target,
                 "no_hot": self.no_hot, "empty_mask": self.empty_mask}
 
+    @abstractmethod
     def options(self) -> dict[str, Any]:
         """The keyword arguments of this variant's ``assess`` function (besides the model, data, masks, run)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def assess(self, model: Any, data: Any, masks: Any, *, batch_size: int, device: str, shard: Any = None) -> Any:
         """Run the measurement of the plan on ``model``, ``data`` and ``masks`` (``shard``: this rank's batches)."""
-        raise NotImplementedError
 
     def key(self, batch_size: int, device: str) -> tuple[Any, ...]:
         """The plain values a shared run is keyed by (besides the model, the data and the masks)."""
@@ -105,14 +107,14 @@ class OcclusionPlan:
                 f"M_interpret is no_hot={self.no_hot!r}'s convention for every input, not a measurement. Fix: check "
                 "that the model reads its input; raise rho= or use a larger occluder (size=)")
 
+    @abstractmethod
     def setup(self, result: Any) -> str:
         """The occluder, ρ and what the heat map holds, for the detail text."""
-        raise NotImplementedError
 
+    @abstractmethod
     def report(self, result: Any, metric: str, strict: bool = False) -> dict[str, Any]:
         """``value``, ``detail``, ``details`` and ``inconclusive`` of ``metric`` ("interpret" or "occsen")
         aggregated by the plan's ``aggregate``; ``strict``: a detector's missed objects count as M_OccSen 0."""
-        raise NotImplementedError
 
 
 class ClassifierOcclusion(OcclusionPlan):

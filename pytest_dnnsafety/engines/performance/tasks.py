@@ -24,6 +24,8 @@ called on whole tensors — gathers every rank's rows first. Pure torch; no pyte
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -90,7 +92,7 @@ class PerformanceRows:
     extremes: tuple[int, int, int] | None = None
 
 
-class ScenarioPerformance:
+class ScenarioPerformance(ABC):
     """What the task variants share: this rank's rows, the engine over the groups, a user metric, the readings."""
 
     task = ""
@@ -112,9 +114,9 @@ class ScenarioPerformance:
             extremes = (int(out.labels.min()), int(out.labels.max()), int(out.predictions.max()))
         return PerformanceRows(out, shard, extremes)
 
+    @abstractmethod
     def assess(self, rows: PerformanceRows, groups: Any) -> tuple[ScenarioPerformanceResult, dict[str, Any] | None]:
         """The per-group result and the user ``metric=``'s values (None without one)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ shared steps
     def _engine(self, groups: Any, device: Any, num_classes: int | None = None) -> ScenarioPerformanceEngine:

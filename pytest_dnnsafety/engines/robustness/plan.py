@@ -21,6 +21,8 @@ its detail text and JSON details. :class:`VerificationPlan` is the same for ``mi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -39,7 +41,7 @@ def _clip(clip: Any) -> tuple[float, float] | None:
 
 
 @dataclass(frozen=True)
-class AttackPlan:
+class AttackPlan(ABC):
     """The empirical robustness gates' options, resolved: ``named`` families and one ``budget`` each.
 
     ``families``: names or callables ``(model, x, y, eps, generator) -> x'``, in the marker's order;
@@ -109,8 +111,9 @@ class AttackPlan:
         names = tuple(item if isinstance(item, str) else None for item in self.families)
         return (tuple(self.budget.items()), names, self.clip, *self._own_key(), seed, batch_size, device)
 
+    @abstractmethod
     def _own_key(self) -> tuple[Any, ...]:
-        raise NotImplementedError
+        """The variant's own values a shared run is keyed by (its output kind, steps, IoU)."""
 
     def setup(self) -> str:
         """``ε=0.1; rotation=15; clip=[0, 1]``: the budgets and the range, as the marker gave them."""
@@ -121,9 +124,9 @@ class AttackPlan:
             parts.append(f"clip=[{self.clip[0]:g}, {self.clip[1]:g}]")
         return "; ".join(parts)
 
+    @abstractmethod
     def accuracy_report(self, result: Any) -> dict[str, Any]:
         """``detail`` and ``details`` of the robust accuracy (share correct clean and under every family)."""
-        raise NotImplementedError
 
 
 class ClassifierAttack(AttackPlan):
