@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,16 @@ def rewrite_zip(src: Path, dst: Path, replace: Callable[[str, bytes], bytes] | N
 def save_export(path: Path, module: nn.Module | None = None) -> None:
     module = (module or WithConstant()).eval()
     torch.export.save(torch.export.export(module, (torch.zeros(2, 2, 2),)), str(path))
+
+
+#: A zip's members as (name, bytes), in order.
+Members = list[tuple[str, bytes]]
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory: pytest.TempPathFactory) -> Members:
+    """The members of a genuine ``torch.export.save`` file (a parameter, a buffer, a constant)."""
+    path = tmp_path_factory.mktemp("genuine") / "good.pt2"
+    save_export(path)
+    with zipfile.ZipFile(path) as archive:
+        return [(info.filename, archive.read(info)) for info in archive.infolist()]

@@ -33,6 +33,8 @@ from typing import IO, Any
 
 import torch
 
+from pytest_dnnsafety.files.parsing import open_regular
+
 __all__ = [
     "NotValid", "Refused", "check_torch_file", "weights_only_forced", "verify_crcs",
     "describe_bytes", "describe_file", "open_zip", "read_member", "zip_kind", "first_line", "listing",
@@ -220,26 +222,47 @@ _ZIP_KIND_NAMES = {
 }
 
 
+class _OwnedZip(zipfile.ZipFile):
+    """A :class:`zipfile.ZipFile` over a handle of :func:`open_regular` that closes the handle with it."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self._owned = handle
+        super().__init__(handle)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._owned.close()
+
+
 def open_zip(path: Path) -> zipfile.ZipFile:
-    """Open ``path`` as a zip archive, or raise :class:`NotValid` saying what it is instead."""
+    """Open ``path`` as a zip archive, or raise :class:`NotValid` saying what it is instead.
+
+    The file is opened by :func:`~.parsing.open_regular` (a FIFO or a device raises
+    :class:`~.parsing.NotRegularFile` instead of blocking).
+    """
+    handle = open_regular(path)
     try:
-        return zipfile.ZipFile(path)
+        return _OwnedZip(handle)
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError):
-        with path.open("rb") as handle:
-            head = handle.read(512)
-        raise NotValid(describe_bytes(head, path.stat().st_size)) from None
+        handle.seek(0)
+        head = handle.read(512)
+        size = os.fstat(handle.fileno()).st_size
+        handle.close()
+        raise NotValid(describe_bytes(head, size)) from None
 
 
 def describe_file(path: Path) -> str:
     """What ``path`` holds, for 'found …' in error messages."""
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
         head = handle.read(512)
-    size = path.stat().st_size
-    if head.startswith(b"PK\x03\x04") and zipfile.is_zipfile(path):
+        size = os.fstat(handle.fileno()).st_size
+    if head.startswith(b"PK\x03\x04"):
         try:
-            with zipfile.ZipFile(path) as archive:
+            with open_zip(path) as archive:
                 names = archive.namelist()
-        except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError):
+        except NotValid:
             return describe_bytes(head, size)
         kind = zip_kind(names)
         return _ZIP_KIND_NAMES[kind] if kind else f"a zip archive with members {names[:5]}"
@@ -293,9 +316,9 @@ def check_torch_file(path: Path, scan: bool) -> list[str]:
     Raises :class:`NotValid` for anything else (empty, random bytes, a damaged or truncated zip,
     a zip of another kind, a malformed pickle).
     """
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
         head = handle.read(512)
-    size = path.stat().st_size
+        size = os.fstat(handle.fileno()).st_size
     if head.startswith(b"PK\x03\x04"):
         with open_zip(path) as archive:
             kind = zip_kind(archive.namelist())
@@ -305,11 +328,11 @@ def check_torch_file(path: Path, scan: bool) -> list[str]:
             verify_crcs(archive)
             return refused
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             return _scan_pickles(handle, path.name) if scan else []
     if size:  # a protocol 0/1 pickle has no header: it is one if it parses as one
         try:
-            with path.open("rb") as handle:
+            with open_regular(path) as handle:
                 refused = _scan_pickles(handle, path.name)
             return refused if scan else []
         except NotValid:

@@ -7,8 +7,9 @@ No file is unpickled as arbitrary Python objects unless the user opts in with
   pickle in it is walked opcode by opcode (:func:`pickletools.genops`, nothing is executed) and
   any global outside the tensor allow-list of torch's ``weights_only`` loader is refused; it is then
   read with ``torch.load(weights_only=True)`` under :func:`weights_only_forced`.
-* a **torch.export** program (``.pt2``) gets the same static check for every pickle in the
-  archive (nested ``torch.save`` archives included); archives that torch would load without any
+* a **torch.export** program (``.pt2``) is read once and loaded from the checked bytes; its zip
+  layout must read the same to Python's zipfile and torch's reader (:mod:`.pt2_zip`), and it gets
+  the same static check for every pickle in the archive (nested ``torch.save`` archives included); archives that torch would load without any
   restriction (AOTInductor native code, custom/opaque object constants) are refused; and
   :func:`torch.export.load` runs under :func:`weights_only_forced`, because it falls back to an
   unrestricted ``torch.load(weights_only=False)`` when the safe path fails.
@@ -16,7 +17,14 @@ No file is unpickled as arbitrary Python objects unless the user opts in with
   only to a TorchScript type compiled from the archive's ``code/`` (an unknown global such as
   ``posix.system`` is an "Unknown type name" error); it never imports or calls a Python object.
 * ``.npy``/``.npz`` data is read with ``allow_pickle=False``; an object array is refused from its
-  header, before any of its bytes are read.
+  header, before any of its bytes are read. So is an array whose header declares more bytes than
+  the file (or the ``.npz`` member) holds, or more than the read budget
+  (:func:`~pytest_dnnsafety.files.parsing.data_budget`): a sparse 10 GiB file is refused in
+  milliseconds. An ``.npz`` member's declared size is checked before it is decompressed (a zip
+  bomb is refused naming the member), and members are decompressed as streams capped at that size.
+* Every path is checked to be a regular file before it is opened
+  (:func:`~pytest_dnnsafety.files.parsing.open_regular`): a FIFO, a device, a symlink loop is named
+  for what it is, and nothing blocks.
 
 Every member of a zip-based file is CRC-checked before torch sees it: torch's own zip reader
 does not check CRCs, so a flipped byte in a weight would otherwise load silently as a wrong weight.
@@ -31,13 +39,15 @@ from __future__ import annotations
 
 import importlib
 import io
+import os
 import pickle
 import sys
 import warnings
+import zipfile
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -51,12 +61,13 @@ from pytest_dnnsafety.files.archives import (
     first_line,
     listing,
     open_zip,
-    read_member,
     verify_crcs,
     weights_only_forced,
     zip_kind,
 )
 from pytest_dnnsafety.settings import Resolved, Settings
+from pytest_dnnsafety.files.parsing import NotRegularFile, data_budget, format_bytes, not_regular, open_regular
+from pytest_dnnsafety.files.arrays import LARGE_FIX, TooLarge, read_npy, read_npz
 from pytest_dnnsafety.files.pt2_program import example_inputs_problem
 from pytest_dnnsafety.data.forms import as_tensors, check_loader_order
 from pytest_dnnsafety.errors import ConfigError, DataError, DnnSafetyError, ModelLoadError
@@ -138,11 +149,20 @@ def existing_file(settings: Settings, resolved: Resolved) -> Path:
     path = settings.path(resolved)
     where = f"dnnsafety_{resolved.name}={resolved.value!r} (from {resolved.source})"
     kind = _FILE_KINDS.get(resolved.name, "a file")
-    if path.is_dir():
+    try:
+        what = not_regular(path)  # nothing is opened: a FIFO would block
+    except OSError:
+        what = None if path.is_file() else ""
+    if what == "a directory":
         raise ConfigError(
             f"{where}: {path} is a directory, not a file. Fix: point dnnsafety_{resolved.name} at {kind}."
         )
-    if not path.is_file():
+    if what:
+        raise ConfigError(
+            f"{where}: {path} is {what}, not a regular file; refused before opening it. "
+            f"Fix: point dnnsafety_{resolved.name} at {kind}."
+        )
+    if what == "":
         raise ConfigError(
             f"{where}: file not found at {path}. Fix: correct the path (relative paths are taken from "
             "the ini file's folder for ini options and from the current folder for CLI flags and "
@@ -197,13 +217,15 @@ def _load_model_file(path: Path, resolved: Resolved, settings: Settings, factory
     expected = "torch.export program (.pt2)" if is_pt2 else "model"
     fix = _EXPORT_FIX if is_pt2 else _MODEL_FIX
     try:
-        with path.open("rb") as handle:
+        if is_pt2 and not allow_pickle:  # read once and checked as the bytes torch's own zip reader sees
+            return _load_export(path, where, allow_pickle), True
+        with open_regular(path) as handle:
             is_zip = handle.read(4) == b"PK\x03\x04"
         kind = None
         if is_zip:
             with open_zip(path) as archive:
                 kind = zip_kind(archive.namelist())
-                if kind in ("export", "torchscript"):  # a torch.save zip is checked by check_torch_file
+                if kind == "torchscript":  # a torch.save zip is checked by check_torch_file, a .pt2 by _load_export
                     verify_crcs(archive)
         if is_pt2 and kind != "export":  # a .pt2 is a torch.export archive; anything else is named
             raise NotValid(describe_file(path))
@@ -271,16 +293,28 @@ def _torch_load(
 
 
 def _load_export(path: Path, where: str, allow_pickle: bool) -> Any:
-    """A torch.export program's module; without ``allow_pickle`` only after :func:`check_export_archive`."""
-    if not allow_pickle:
-        # imported here: torch.export.pt2_archive pulls in ~800 torch modules, only a .pt2 needs them
-        from pytest_dnnsafety.files.pt2_archive import check_export_archive
+    """A torch.export program's module; without ``allow_pickle`` only after :func:`check_export_archive`.
 
-        check_export_archive(path)
+    The file is read once: the check and ``torch.export.load`` see the very same bytes, so a file
+    replaced between the two cannot be loaded unchecked.
+    """
+    # imported here: torch.export.pt2_archive pulls in ~800 torch modules, only a .pt2 needs them
+    from pytest_dnnsafety.files.pt2_archive import check_export_archive
+
+    with open_regular(path) as handle:
+        data = handle.read()
+    if allow_pickle:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                verify_crcs(archive)
+        except (zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
+            raise NotValid(f"a damaged zip archive ({exc})") from None
+    else:
+        check_export_archive(data, path)
     guard = nullcontext() if allow_pickle else weights_only_forced()
     try:
         with guard:
-            program = torch.export.load(str(path))
+            program = torch.export.load(io.BytesIO(data))
             problem = None if allow_pickle else example_inputs_problem(program.example_inputs)
             if problem:  # .module() would paste these keys into the code of its input guards
                 raise Refused(path.name, [path.name], problem, verb="load")
@@ -362,75 +396,48 @@ _DATA_FIX = {
 }
 
 
-def _npy_dtype(stream: IO[bytes]) -> Any:
-    """The dtype in an .npy header (the stream is left after the header); ValueError if malformed."""
-    import numpy as np
+def read_array_file(path: Path, what: str, budget: int | None = None) -> Any:
+    """The contents of a data file: a dict of arrays (.npz), an array (.npy) or torch.load's result (.pt).
 
-    version = np.lib.format.read_magic(stream)
-    if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(stream)[2]
-    if version == (2, 0):
-        return np.lib.format.read_array_header_2_0(stream)[2]
-    header = getattr(np.lib.format, "_read_array_header", None)  # 3.0: utf-8 field names
-    if header is None:
-        raise ValueError(f"unsupported .npy format version {version}")
-    return header(stream, version)[2]
-
-
-def _read_npy(stream: IO[bytes], label: str) -> Any:
-    """One array from an .npy stream, never unpickling; the header is checked before the data."""
-    import numpy as np
-
-    try:
-        dtype = _npy_dtype(stream)
-    except (ValueError, EOFError, OSError, SyntaxError) as exc:
-        raise NotValid(f"a damaged .npy header in {label} ({type(exc).__name__}: {exc})") from None
-    if dtype.hasobject:
-        raise Refused(label, [str(dtype)], f"an object array (dtype {dtype}) in {label}")
-    stream.seek(0)
-    try:
-        return np.lib.format.read_array(stream, allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:
-        raise NotValid(f"a truncated or damaged .npy array in {label} ({type(exc).__name__}: {exc})") from None
-
-
-def _read_npz(path: Path) -> dict[str, Any]:
-    """Every ``.npy`` member of an .npz archive, CRC-checked, keyed as :func:`numpy.load` keys them."""
-    with path.open("rb") as handle:
-        head = handle.read(512)
-    if not head.startswith(b"PK\x03\x04"):
-        raise NotValid(describe_bytes(head, path.stat().st_size))
-    with open_zip(path) as archive:
-        members = [info for info in archive.infolist() if info.filename.endswith(".npy")]
-        if not members:
-            raise NotValid(describe_file(path))
-        return {info.filename[:-4]: _read_npy(io.BytesIO(read_member(archive, info)), info.filename)
-                for info in members}
-
-
-def read_array_file(path: Path, what: str) -> Any:
-    """The contents of a data file: a dict of arrays (.npz), an array (.npy) or torch.load's result (.pt)."""
+    ``budget``: the most bytes of array data to read (default :func:`~.parsing.data_budget`); a file
+    declaring more is refused before its data is read. A path that is not a regular file is refused
+    before it is opened.
+    """
     suffix = path.suffix.lower()
     if suffix not in _DATA_SUFFIXES:
         raise DataError(
             f"{what}: {path} has an unknown suffix {suffix!r}. Fix: use .npz, .npy or .pt (or .pth), or a "
             "'package.module:load' factory that returns the arrays."
         )
+    budget = data_budget() if budget is None else budget
     expected = _KIND_OF_SUFFIX[suffix]
     fix = _DATA_FIX.get(suffix, _DATA_FIX[".pt"])
     try:
         if suffix == ".npz":
-            return _read_npz(path)
+            return read_npz(path, budget)
         if suffix == ".npy":
-            with path.open("rb") as handle:
+            with open_regular(path) as handle:
                 head = handle.read(512)
+                size = os.fstat(handle.fileno()).st_size
                 if not head.startswith(b"\x93NUMPY"):
-                    raise NotValid(describe_bytes(head, path.stat().st_size))
+                    raise NotValid(describe_bytes(head, size))
                 handle.seek(0)
-                return _read_npy(handle, path.name)
+                return read_npy(handle, path.name, size, budget)
+        with open_regular(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+        if size > budget:  # torch.save files are not compressed: the file size is the data size
+            raise TooLarge(f"the file is {format_bytes(size)}, more than the read budget of {format_bytes(budget)} "
+                            "for one data file; refused before reading it")
         refused = check_torch_file(path, scan=True)
+    except NotRegularFile as exc:
+        raise DataError(f"{what}: {exc}; refused before opening it. Fix: point the setting at {expected} "
+                        "file.") from None
+    except FileNotFoundError:
+        raise DataError(f"{what}: file not found at {path}. Fix: correct the path.") from None
     except NotValid as exc:
         raise DataError(f"{what}: {path} is not a valid {expected} file: found {exc}. {fix}") from None
+    except TooLarge as exc:
+        raise DataError(f"{what}: {path}: {exc}. {LARGE_FIX}.") from None
     except Refused as exc:
         raise DataError(
             f"{what}: {path} holds pickled objects, which are refused: {exc.listing()}; reading them would "

@@ -1,4 +1,14 @@
-"""Depth-safe parsing of the JSON and TOML files the plugin reads (baseline, severity, conditions, archives).
+"""Checked opening and depth-safe parsing of the files the plugin reads (models, data, scenarios, baseline, ...).
+
+**Opening.** Every file the plugin reads is opened by :func:`open_regular` (or checked by
+:func:`not_regular` first): a path that is not a regular file — a FIFO (opening one for reading
+blocks until a writer appears: the run would hang), a device (``/dev/zero`` never ends), a socket,
+a directory, a symlink loop or a dangling symlink — is refused as :class:`NotRegularFile`, saying
+what it is, before anything is read. Symlinks to regular files are followed. The path is checked
+with :func:`os.stat` before it is opened, opened without blocking (``O_NONBLOCK``) and checked again
+on the open descriptor (:func:`os.fstat`), so a file swapped for a FIFO in between cannot hang the run.
+
+**Parsing.**
 
 ``json`` and ``tomllib`` recurse once per level of nested arrays and tables: a file nested a few
 thousand levels deep (a "recursion bomb", a few kilobytes of ``[[[[...``) ends them in a raw
@@ -14,10 +24,125 @@ No file the plugin reads needs more than a handful of levels (an evidence file a
 
 from __future__ import annotations
 
+import errno
+import io
 import json
-from typing import Any
+import os
+import stat
+from pathlib import Path
+from typing import IO, Any
 
-__all__ = ["MAX_DEPTH", "TooDeep", "check_depth", "loads_json", "loads_toml"]
+__all__ = [
+    "MAX_DEPTH", "TooDeep", "check_depth", "loads_json", "loads_toml",
+    "NotRegularFile", "not_regular", "open_regular", "open_text", "data_budget", "format_bytes",
+]
+
+
+# ------------------------------------------------------------------------------------ opening
+
+
+class NotRegularFile(Exception):
+    """``path`` is not a regular file (nor a symlink to one); ``what`` says what it is instead."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+        self.path = Path(path)
+        self.what = what
+        super().__init__(f"{self.path} is {what}, not a regular file")
+
+
+def _mode_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, for a message."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe; reading it would wait for a writer forever)"
+    if stat.S_ISCHR(mode):
+        return "a character device (reading it may never end)"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return f"a special file (mode {stat.filemode(mode)})"
+
+
+def not_regular(path: str | os.PathLike[str]) -> str | None:
+    """None when ``path`` is a regular file or a symlink to one; otherwise what it is.
+
+    Nothing is opened. Raises :class:`FileNotFoundError` when nothing is at ``path`` (a dangling
+    symlink is described instead: it names its missing target).
+    """
+    try:
+        st = os.stat(path)  # follows symlinks
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a dangling symlink (to {os.readlink(path)!r}, which does not exist)"
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop (too many levels of symbolic links)"
+        raise
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kind = _mode_kind(st.st_mode)
+    if os.path.islink(path):
+        return f"a symlink to {os.path.realpath(path)}, {kind}"
+    return kind
+
+
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_BINARY", 0))
+
+
+def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
+    """``path`` opened for binary reading, or :class:`NotRegularFile` (see the module docstring).
+
+    :class:`FileNotFoundError` (and other :class:`OSError`) pass through.
+    """
+    what = not_regular(path)
+    if what is not None:
+        raise NotRegularFile(path, what)
+    fd = os.open(path, _OPEN_FLAGS)  # O_NONBLOCK: a FIFO swapped in after the check does not block
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, _mode_kind(mode) + " (it was replaced after it was checked)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_text(path: str | os.PathLike[str], encoding: str = "utf-8", newline: str | None = None) -> IO[str]:
+    """:func:`open_regular` as text."""
+    return io.TextIOWrapper(open_regular(path), encoding=encoding, newline=newline)
+
+
+#: Bytes of array data one data file may hold at most (before half the machine's memory caps it).
+DATA_BUDGET = 8 << 30
+
+
+def data_budget() -> int:
+    """The most bytes of array data read from one data file: :data:`DATA_BUDGET` or half the physical memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        memory = 0
+    return min(DATA_BUDGET, memory // 2) if memory > 0 else DATA_BUDGET
+
+
+def format_bytes(size: int) -> str:
+    """``12,345 bytes`` or ``10.0 GiB (10,737,418,240 bytes)``."""
+    if size < 1 << 20:
+        return f"{size:,} bytes"
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.1f} {unit} ({size:,} bytes)"
+    return f"{size:,} bytes"  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------------ parsing
 
 #: The deepest nesting of arrays and tables (objects) accepted in a file the plugin reads.
 MAX_DEPTH = 100

@@ -37,6 +37,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from pytest_dnnsafety.files.parsing import NotRegularFile, open_regular
+
 __all__ = ["fingerprint", "fixture_origin", "setting_origin", "type_name", "tensor_digest_update", "file_sha256"]
 
 
@@ -252,8 +254,13 @@ def fixture_origin(func: Any, rootpath: Path | None = None) -> dict[str, Any]:
 
 
 def file_sha256(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, streamed in 1 MiB blocks.
+
+    Opened by :func:`~.parsing.open_regular`: a FIFO or a device raises
+    :class:`~.parsing.NotRegularFile` instead of blocking or reading forever.
+    """
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return "sha256:" + digest.hexdigest()
@@ -278,6 +285,9 @@ def setting_origin(settings: Any, names: Iterable[str], digest: bool = True) -> 
             path = settings.path(resolved)
             entry["path"] = os.fspath(path)
             if digest:
-                entry["sha256"] = file_sha256(path) if path.is_file() else None
+                try:
+                    entry["sha256"] = file_sha256(path)
+                except (OSError, NotRegularFile):  # gone, or a FIFO/device: no digest, nothing blocks
+                    entry["sha256"] = None
         out[name] = entry
     return out

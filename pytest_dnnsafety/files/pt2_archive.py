@@ -18,6 +18,11 @@ archive's own configs and names, never by what a member looks like:
   in several ways: :mod:`.pt2_program` says which, and what it admits.
 * ``data/aotinductor/``: native code, loaded and run.
 
+The check reads the archive with Python's :mod:`zipfile`, torch with its own reader; the two see
+the same members only because :mod:`.pt2_zip` first admits nothing but a layout they cannot read
+differently, and asks torch's reader where it finds each member. The caller reads the file once
+and loads from the bytes that were checked.
+
 Member lookup is torch's (``PyTorchStreamReader``): the path is prefixed by the first member's
 folder, matched case-insensitively and without normalisation (``../x`` is a literal name), and
 which of duplicate names it returns is miniz's choice (the last, in torch 2.13).
@@ -43,9 +48,25 @@ from pathlib import Path
 
 from torch.export.pt2_archive import constants as pt2
 
-from pytest_dnnsafety.files.archives import NotValid, Refused, _scan_pickles, _scan_torch_save_zip, describe_file, listing
-from pytest_dnnsafety.files.archives import open_zip, read_member, zip_kind
+from pytest_dnnsafety.files.archives import (
+    _ZIP_KIND_NAMES,
+    NotValid,
+    Refused,
+    _scan_pickles,
+    _scan_torch_save_zip,
+    describe_bytes,
+    listing,
+    read_member,
+    verify_crcs,
+    zip_kind,
+)
 from pytest_dnnsafety.files.pt2_program import program_problem
+from pytest_dnnsafety.files.pt2_zip import (
+    ZipLayoutError,
+    duplicate_names,
+    torch_reader_problem,
+    zip_entries,
+)
 
 __all__ = ["check_export_archive"]
 
@@ -188,17 +209,43 @@ def _check_model(records: _Records, model: str, raw: set[str]) -> None:
         _check_program_json(records, info)
 
 
-def check_export_archive(path: Path) -> None:
+def check_export_archive(data: bytes, path: Path) -> None:
     """Refuse a ``.pt2`` archive unless loading it can unpickle only tensors and run no code.
 
-    Raises :class:`NotValid` for a file that is not a well-formed torch.export archive and
-    :class:`Refused` for one holding AOTInductor code, custom/opaque object constants, a pickle
-    referencing globals outside the allow-list or code in its program JSON; both name the member.
+    ``data`` is the file's bytes, read once: the caller loads from the same bytes (``path`` only
+    names the file). First the zip layout (:mod:`.pt2_zip`): Python's zipfile, which this check
+    reads with, and torch's reader must see the same members at the same places. Raises
+    :class:`NotValid` for a file that is not a well-formed torch.export archive and
+    :class:`Refused` for one whose layout two zip readers read differently, holding AOTInductor
+    code, custom/opaque object constants, a pickle referencing globals outside the allow-list,
+    code or unbounded arithmetic in its program JSON, or two members of one name; all name the
+    member or what is wrong.
     """
-    with open_zip(path) as archive:
+    try:
+        archive: zipfile.ZipFile | None = zipfile.ZipFile(io.BytesIO(data))
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError):
+        archive = None
+    try:
+        entries = zip_entries(data)
+    except ZipLayoutError as exc:
+        if archive is None:  # not a zip to either reader: say what it is
+            raise NotValid(describe_bytes(data[:512], len(data))) from None
+        raise Refused(path.name, [], f"a zip layout that torch's reader and Python's zipfile read differently "
+                                     f"({exc})", verb="load") from None
+    if archive is None:
+        raise NotValid(describe_bytes(data[:512], len(data)))
+    with archive:
         names = archive.namelist()
-        if zip_kind(names) != "export":
-            raise NotValid(describe_file(path))
+        kind = zip_kind(names)
+        if kind != "export":
+            raise NotValid(_ZIP_KIND_NAMES[kind] if kind else f"a zip archive with members {names[:5]}")
+        if names != [entry.name for entry in entries]:
+            raise NotValid("a damaged zip archive (Python's zipfile lists other members than its central directory)")
+        verify_crcs(archive)
+        problem = torch_reader_problem(data, entries)
+        if problem:
+            raise Refused(path.name, [], f"a zip archive that torch's reader reads differently from Python's "
+                                         f"zipfile: {problem}", verb="load")
         records = _Records(archive)
         native = [name for name in names
                   if (name.split("/", 1)[1] if "/" in name else name).lower().startswith(pt2.AOTINDUCTOR_DIR)]
@@ -218,6 +265,11 @@ def check_export_archive(path: Path) -> None:
         for info in records.infos:  # anything else that is a pickle: never read by torch, still refused
             if info.filename not in raw:
                 _scan_stray(records, info)
+    twice = duplicate_names(entries)  # after the scans, which name what a hostile copy holds
+    if twice:
+        raise Refused(twice[0], twice, f"two members named {twice[0]!r} (compared ignoring case, as torch looks "
+                                       "them up), of which torch's reader and Python's zipfile can pick different "
+                                       "ones", verb="load")
 
 
 def _scan_stray(records: _Records, info: zipfile.ZipInfo) -> None:

@@ -16,6 +16,11 @@ Python that it runs:
   (``deserialize_operator``) and any callable it reaches becomes a ``call_function`` node that
   the model calls on every forward: ``"torch.os.system"`` would do.
 
+Plain arithmetic is a hazard too: ``sympy.sympify("10**10**10")`` computes for hours, and so would a
+guard ``math.factorial(10**9) > 0`` on every forward pass. Shape expressions and guards are therefore
+bounded before sympy or ``exec`` sees them (:func:`_bound_problem`: literal exponents of at most
+128, no value over 65,536 bits, bounded length, depth and size).
+
 :func:`program_problem` therefore admits names made of letters, digits and ``_.:+-`` and a space,
 shape expressions built only from whitelisted sympy calls, and guards built only from input
 sizes, arithmetic and whitelisted functions, and node targets that resolve to a registered
@@ -63,11 +68,19 @@ def program_problem(program: Any) -> str | None:
                     if not _safe_expression(inner):
                         return (f"an expr_str {str(inner)[:80]!r} that is not a plain shape expression "
                                 "(torch evaluates it with sympy.sympify, which is eval)")
+                    too_much = _bound_problem(inner, guard=False)
+                    if too_much:
+                        return (f"an expr_str {str(inner)[:80]!r} with {too_much} (sympy.sympify would compute "
+                                "it while torch.export.load runs, for hours)")
                 elif name == "guards_code":
                     for guard in inner if isinstance(inner, list) else [inner]:
                         if not _safe_guard(guard):
                             return (f"a guards_code entry {str(guard)[:80]!r} that is not a plain check of input "
                                     "sizes (ExportedProgram.module() executes it as Python)")
+                        too_much = _bound_problem(guard, guard=True)
+                        if too_much:
+                            return (f"a guards_code entry {str(guard)[:80]!r} with {too_much} (the model would "
+                                    "compute it on every forward pass, for hours)")
                 elif name == "target":
                     problem = _target_problem(inner)
                     if problem:
@@ -83,7 +96,7 @@ def program_problem(program: Any) -> str | None:
         elif isinstance(value, str) and not _plain(value):
             return (f"a {key} value {value[:80]!r} that is not a plain name (torch writes names into the Python "
                     "code it generates for the model)")
-    return None
+    return _node_arithmetic_problem(program)
 
 
 _TARGET = re.compile(r"(torch|_operator|math)((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
@@ -233,14 +246,17 @@ _GUARD_NAMES = frozenset({"L", "math", "torch", "inf", "abs", "max", "min", "int
                           "cast_symbool_to_symint_guardless"}) | _SYMPY_CALLS - {"Symbol", "Tuple"}
 _GUARD_ATTRS = {"torch": frozenset({"sym_float", "sym_int", "sym_max", "sym_min", "sym_sqrt", "_sym_sqrt", "sym_ite",
                                     "sym_not", "sym_sum"}),
-                "math": frozenset(name for name in dir(math) if not name.startswith("_"))}
+                "math": frozenset({"floor", "ceil", "trunc", "sqrt", "isqrt", "log", "log2", "log10", "log1p", "exp",
+                                   "expm1", "pow", "fabs", "fmod", "copysign", "remainder", "gcd", "cos", "cosh",
+                                   "acos", "acosh", "sin", "sinh", "asin", "asinh", "tan", "tanh", "atan", "atan2",
+                                   "atanh", "hypot", "isinf", "isnan", "isfinite", "inf", "nan", "pi", "e", "tau"})}
 _TENSOR_ATTRS = frozenset({"size", "stride", "storage_offset", "dim", "numel", "shape"})
 _KEY = re.compile(r"[A-Za-z0-9_]*")
 _OPERATORS = (ast.operator, ast.unaryop, ast.cmpop, ast.boolop, ast.expr_context)
 
 
 def _parse(text: Any) -> ast.AST | None:
-    if not isinstance(text, str) or len(text) > 100_000:
+    if not isinstance(text, str) or len(text) > _MAX_LENGTH:
         return None
     try:
         return ast.parse(text, mode="eval")
@@ -304,3 +320,217 @@ def _safe_guard(text: Any) -> bool:
                                    *_OPERATORS)):
             return False
     return True
+
+
+# ------------------------------------------------------------------ what an expression may compute
+#
+# sympy.sympify("10**10**10") and a guard "math.factorial(10**9) > 0" are plain arithmetic that
+# runs for hours. Before sympy (or the guard's exec) sees an expression, _bound_problem follows
+# the magnitude of every value it can compute, in bits of |log2| (so a reciprocal counts as much
+# as its number): an input size or symbol is at most 64 bits, a sum one bit more than its
+# largest term, a product or quotient the sum of its factors; a power or shift needs a literal
+# exponent of at most _MAX_EXPONENT; no value may pass _MAX_BITS (a 20,000-digit integer, which
+# Python computes in microseconds; a shape never needs more than 64 bits). Length, nesting
+# depth, node count and the arguments of one Max/Min are bounded as well.
+
+_MAX_LENGTH = 20_000
+_MAX_DEPTH = 100
+_MAX_NODES = 5_000
+_MAX_ARGS = 64
+_MAX_BITS = 1 << 16
+_MAX_EXPONENT = 128
+_MAX_LITERAL_BITS = 1_024
+_SIZE_BITS = 64
+_POWERS = frozenset({"Pow", "PowByNatural", "FloatPow", "pow"})
+_SHIFTS = frozenset({"LShift"})
+_NUMBER_CALLS = frozenset({"Integer", "Float", "Rational"})
+
+
+class _TooLarge(Exception):
+    """What an expression would compute beyond the bounds."""
+
+
+def _bound_problem(text: Any, guard: bool) -> str | None:
+    """Why evaluating ``text`` could compute too much, or None (call after the whitelist check)."""
+    tree = _parse(text)
+    if tree is None:
+        return f"an expression that does not parse or is longer than {_MAX_LENGTH} characters"
+    count = sum(1 for _ in ast.walk(tree))
+    if count > _MAX_NODES:
+        return f"{count} terms (at most {_MAX_NODES})"
+    try:
+        _bits(tree, 0)
+    except _TooLarge as exc:
+        return str(exc)
+    except RecursionError:
+        return f"terms nested deeper than {_MAX_DEPTH}"
+    return None
+
+
+def _literal(node: ast.AST) -> float | None:
+    """The value of a literal number (``2``, ``-1``, ``0.5``, ``Integer(2)``, ``Rational(1, 2)``), or None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        return None if value is None else (-value if isinstance(node.op, ast.USub) else value)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return float(node.value) if abs(node.value) < 1e300 else None
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _NUMBER_CALLS
+            and not node.keywords and 1 <= len(node.args) <= 2):
+        try:
+            values = [float(arg.value) if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                      else _literal(arg) for arg in node.args]
+        except (ValueError, OverflowError):
+            return None
+        if any(value is None or not math.isfinite(value) for value in values):
+            return None
+        return values[0] / values[1] if len(values) == 2 and values[1] else values[0]
+    return None
+
+
+def _number_bits(value: Any) -> int:
+    """|log2| of a literal number in bits, generously rounded up; refused past the literal bound."""
+    if isinstance(value, bool) or value is None:
+        return 1
+    if isinstance(value, int):
+        bits = abs(value).bit_length()
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _TooLarge(f"the literal {value!r} (an infinite or undefined number)")
+        bits = abs(math.frexp(value)[1]) + 54
+    else:  # a numeric string of Integer/Float/Rational: its digits and decimal exponent
+        text = str(value)
+        mantissa, _, exponent = text.lower().partition("e")
+        digits = sum(char.isdigit() for char in mantissa)
+        try:
+            scale = abs(int(exponent)) if exponent else 0
+        except ValueError:
+            scale = _MAX_LITERAL_BITS
+        bits = int((digits + scale) * 3.33) + 2 if len(text) < 400 else _MAX_LITERAL_BITS + 1
+    if bits > _MAX_LITERAL_BITS:
+        raise _TooLarge(f"a literal number of about {bits} bits (at most {_MAX_LITERAL_BITS})")
+    return bits
+
+
+def _check(bits: int) -> int:
+    if bits > _MAX_BITS:
+        raise _TooLarge(f"a value of up to {bits} bits (at most {_MAX_BITS}: a shape never needs more than 64)")
+    return bits
+
+
+def _power(base: ast.AST, exponent: ast.AST, depth: int) -> int:
+    value = _literal(exponent)
+    if value is None:
+        raise _TooLarge(f"a power or shift whose exponent {ast.unparse(exponent)[:40]!r} is not a literal number")
+    if abs(value) > _MAX_EXPONENT:
+        raise _TooLarge(f"a power or shift with exponent {ast.unparse(exponent)[:40]!r} (at most {_MAX_EXPONENT})")
+    return _check(max(1, _bits(base, depth)) * max(1, math.ceil(abs(value))))
+
+
+def _bits(node: ast.AST, depth: int) -> int:
+    """An upper bound of the magnitude (|log2|, in bits) of every value evaluating ``node`` computes."""
+    if depth > _MAX_DEPTH:
+        raise _TooLarge(f"terms nested deeper than {_MAX_DEPTH}")
+    depth += 1
+    if isinstance(node, ast.Expression):
+        return _bits(node.body, depth)
+    if isinstance(node, ast.Constant):
+        return 0 if isinstance(node.value, str) else _number_bits(node.value)
+    if isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)):
+        return _SIZE_BITS  # a symbol, an input size, a constant such as math.inf
+    if isinstance(node, ast.UnaryOp):
+        return _check(_bits(node.operand, depth) + 1)
+    if isinstance(node, ast.BinOp):
+        if isinstance(node.op, ast.Pow):
+            return _power(node.left, node.right, depth)
+        if isinstance(node.op, ast.LShift):
+            return _check(_bits(node.left, depth) + _power(ast.Constant(2), node.right, depth))
+        left, right = _bits(node.left, depth), _bits(node.right, depth)
+        if isinstance(node.op, (ast.Mult, ast.Div, ast.FloorDiv)):
+            return _check(left + right)
+        return _check(max(left, right) + 1)
+    if isinstance(node, (ast.Compare, ast.BoolOp)):
+        values = [node.left, *node.comparators] if isinstance(node, ast.Compare) else node.values
+        return _check(max(_bits(value, depth) for value in values))
+    if isinstance(node, ast.Call):
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if len(node.args) > _MAX_ARGS:
+            raise _TooLarge(f"a call of {name} with {len(node.args)} arguments (at most {_MAX_ARGS})")
+        if isinstance(node.func, ast.Name) and name in _NUMBER_CALLS:
+            return max([1, *(_number_bits(arg.value) if isinstance(arg, ast.Constant) else _bits(arg, depth)
+                             for arg in node.args)]) * len(node.args)
+        if name in _POWERS and len(node.args) == 2:
+            return _power(node.args[0], node.args[1], depth)
+        if name in _SHIFTS and len(node.args) == 2:
+            return _check(_bits(node.args[0], depth) + _power(ast.Constant(2), node.args[1], depth))
+        values = [*node.args, *(keyword.value for keyword in node.keywords)]
+        inner = _bits(node.func.value, depth) if isinstance(node.func, ast.Attribute) else 0
+        if name == "Mul":
+            return _check(sum(_bits(value, depth) for value in values))
+        return _check(max([inner, _SIZE_BITS, *(_bits(value, depth) for value in values)]) + len(values))
+    raise _TooLarge(f"a {type(node).__name__} term")
+
+
+#: Node targets whose Python arithmetic on symbolic sizes the model runs on every forward pass.
+_NODE_ARITHMETIC = {"_operator.pow": "pow", "_operator.lshift": "shift", "_operator.mul": "mul"}
+_NODE_ARITHMETIC.update({f"_operator.{name}": "other" for name in (
+    "add", "sub", "floordiv", "truediv", "mod", "neg", "rshift", "abs")})
+
+
+def _node_arithmetic_problem(program: Any) -> str | None:
+    """Why a graph's symbolic-size nodes (``pw = 10 ** 1000000000``) could compute for hours, or None.
+
+    The same bounds as :func:`_bound_problem`, followed through the graph: every node value is
+    bounded from its inputs (a size or an unknown symbol: 64 bits).
+    """
+    bits: dict[str, int] = {}
+    stack: list[Any] = [program]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            nodes = value.get("nodes")
+            for node in nodes if isinstance(nodes, list) else ():
+                problem = _node_problem(node, bits) if isinstance(node, dict) else None
+                if problem:
+                    return problem
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return None
+
+
+def _arg_bits(arg: Any, bits: dict[str, int]) -> int:
+    if isinstance(arg, dict):
+        if isinstance(arg.get("as_int"), int):
+            return abs(arg["as_int"]).bit_length()
+        for key in ("as_sym_int", "as_sym_float"):
+            inner = arg.get(key)
+            if isinstance(inner, dict) and isinstance(inner.get("as_name"), str):
+                return bits.get(inner["as_name"], _SIZE_BITS)
+    return _SIZE_BITS
+
+
+def _node_problem(node: dict[str, Any], bits: dict[str, int]) -> str | None:
+    kind = _NODE_ARITHMETIC.get(node.get("target"))  # type: ignore[arg-type]
+    if kind is None:
+        return None
+    args = [entry.get("arg") for entry in node.get("inputs") or () if isinstance(entry, dict)]
+    sizes = [_arg_bits(arg, bits) for arg in args] or [_SIZE_BITS]
+    name = str(node.get("name"))[:40]
+    if kind in ("pow", "shift"):
+        exponent = args[1] if len(args) == 2 and isinstance(args[1], dict) else {}
+        literal = exponent.get("as_int", exponent.get("as_float"))
+        if isinstance(literal, bool) or not isinstance(literal, (int, float)) or not abs(literal) <= _MAX_EXPONENT:
+            shown = str(literal if literal is not None else exponent)[:40]
+            return (f"a node {name!r} ({node['target']}) whose exponent {shown} is not a literal number of at most "
+                    f"{_MAX_EXPONENT} (the model would compute it on every forward pass, for hours)")
+        result = sizes[0] * max(1, math.ceil(abs(literal))) if kind == "pow" else sizes[0] + int(abs(literal))
+    else:
+        result = sum(sizes) if kind == "mul" else max(sizes) + 1
+    if result > _MAX_BITS:
+        return (f"a node {name!r} ({node['target']}) computing a value of up to {result} bits (at most {_MAX_BITS}; "
+                "the model would compute it on every forward pass)")
+    for output in node.get("outputs") or ():
+        inner = output.get("as_sym_int") if isinstance(output, dict) else None
+        if isinstance(inner, dict) and isinstance(inner.get("as_name"), str):
+            bits[inner["as_name"]] = result
+    return None

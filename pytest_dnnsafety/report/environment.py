@@ -5,7 +5,6 @@ Versions are read from package metadata, so the controller of an xdist run needs
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import sys
@@ -29,12 +28,26 @@ def package_version(name: str) -> str | None:
 
 
 def file_digest(path: Path) -> str:
-    """``sha256:<hex>`` of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
+    """``sha256:<hex>`` of a file (:func:`~pytest_dnnsafety.files.provenance.file_sha256`: opened as a regular
+    file only, streamed in 1 MiB blocks)."""
+    from pytest_dnnsafety.files.provenance import file_sha256
+
+    return file_sha256(path)
+
+
+def _digest_entry(path: Path) -> dict[str, Any]:
+    """The ``digest`` of an input file, or None and why: not a regular file (a FIFO would block, a device never
+    ends), or larger than the data budget (the loader refused it; hashing it would cost minutes for nothing)."""
+    from pytest_dnnsafety.files.parsing import data_budget, format_bytes, not_regular
+
+    what = not_regular(path)
+    if what is not None:
+        return {"digest": None, "digest_note": f"not hashed: {what}"}
+    size, budget = path.stat().st_size, data_budget()
+    if size > budget:
+        return {"digest": None, "digest_note": f"not hashed: {format_bytes(size)} exceeds the data budget "
+                                               f"{format_bytes(budget)}"}
+    return {"digest": file_digest(path)}
 
 
 def _torchrun() -> dict[str, Any]:
@@ -74,7 +87,7 @@ def environment(settings: Any, devices: Iterable[str], workers: int) -> dict[str
         if not resolved.is_factory:
             path = settings.path(resolved)
             entry["path"] = str(path)
-            entry["digest"] = file_digest(path) if path.is_file() else None
+            entry.update(_digest_entry(path) if path.exists() or path.is_symlink() else {"digest": None})
         inputs[name] = entry
     device_list = sorted(set(d for d in devices if d))
     return {

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.core.projection import ProjectionLayout
+from pytest_dnnsafety.engines.coverage.scenario import check_projection_cells
 from pytest_dnnsafety.errors import ConfigError, DataError
-from pytest_dnnsafety.files.parsing import TooDeep, check_depth
+from pytest_dnnsafety.files.parsing import NotRegularFile, TooDeep, check_depth, open_regular
 
 #: Largest number of joint assignments of one group of restricted conditions that is
 #: enumerated to decide cell feasibility exactly; larger groups fall back to a sufficient check.
@@ -175,10 +176,15 @@ class Conditions:
         where = f"conditions file {str(path)!r}"
         tomllib = _toml_module()
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            with open_regular(path) as handle:
+                text = handle.read().decode("utf-8")
+            data = tomllib.loads(text)
             check_depth(data)
         except FileNotFoundError:
             raise DataError(f"{where} does not exist; check the dnnsafety_conditions path") from None
+        except NotRegularFile as exc:
+            raise DataError(f"{where}: {exc}; refused before opening it. Fix: point dnnsafety_conditions at a TOML "
+                            "file with a [conditions] table") from None
         except UnicodeDecodeError as exc:
             raise DataError(f"{where} is not UTF-8 text ({exc}); save it as UTF-8") from None
         except tomllib.TOMLDecodeError as exc:
@@ -369,6 +375,7 @@ class Conditions:
         if k in self._feasibility_cache:
             mask, exact = self._feasibility_cache[k]
             return mask.clone(), exact
+        check_projection_cells(self.cardinalities, k, self._names)  # one bool per cell: refused before allocating
         layout = ProjectionLayout(self.cardinalities, k)
         feasible = torch.ones(layout.total, dtype=torch.bool)
         exact = True
@@ -407,6 +414,43 @@ class Conditions:
                         feasible[block] &= ~match
         self._feasibility_cache[k] = (feasible, exact)
         return feasible.clone(), exact
+
+    def subset_feasibility(self, columns: Sequence[int]) -> Tensor:
+        """Feasibility of every value combination of the conditions ``columns`` (bool, ``∏`` of their sizes).
+
+        Mixed radix in the given order, first condition most significant: the ``by=`` groups'
+        layout. Equal to the subset's block of :meth:`cell_feasibility` (exact where that is exact),
+        but computed for this subset alone, so large conditions outside it cost nothing. The caller
+        bounds the product of the sizes (:mod:`.groups` checks it against ``MAX_GROUPS``).
+        """
+        columns = tuple(columns)
+        cards = [len(self._domains[self._names[c]]) for c in columns]
+        size = math.prod(cards)
+        feasible = torch.ones(size, dtype=torch.bool)
+        if not self._coded or not columns:
+            return feasible
+        cells = _product_codes(cards, 0, size)
+        for conds, rs in self._components:
+            cond_set = set(conds)
+            inside = [j for j, c in enumerate(columns) if c in cond_set]
+            if not inside:
+                continue
+            if self._component_size(conds) <= _exact_limit():
+                part = tuple(columns[j] for j in inside)
+                tables = self._projection_tables(conds, rs, {part})
+                if tables is None:  # this group admits no assignment at all: nothing is feasible
+                    return torch.zeros(size, dtype=torch.bool)
+                table, strides = tables[part]
+                feasible &= table[(cells[:, inside] * torch.tensor(strides, dtype=torch.int64)).sum(1)]
+            else:  # the sufficient check of cell_feasibility: restrictions lying wholly inside the subset
+                for r in rs:
+                    parts = self._coded[r]
+                    if all(cond in columns for cond, _ in parts):
+                        match = torch.ones(size, dtype=torch.bool)
+                        for cond, allowed in parts:
+                            match &= allowed[cells[:, columns.index(cond)]]
+                        feasible &= ~match
+        return feasible
 
     def _projection_tables(
         self, conds: tuple[int, ...], rs: tuple[int, ...], needed: set[tuple[int, ...]]

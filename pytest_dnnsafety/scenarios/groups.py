@@ -14,6 +14,7 @@ engines plain tensors and labels. Without ``by`` (the detection gates) all rows 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,16 +23,41 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.performance.scenario import (
+    MAX_GROUPS,
     ScenarioPerformanceEngine,
     resolve_by,
 )
+from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.scenarios.table import (
     ScenarioTable,
     check_rows_match,
     count_samples,
 )
 
-__all__ = ["ScenarioGroups", "by_names"]
+__all__ = ["ScenarioGroups", "by_names", "check_group_count"]
+
+
+def check_group_count(by: Sequence[str], domains: Sequence[Sequence[str]]) -> int:
+    """The number of groups of ``by`` (the product of the domain sizes), or :class:`ConfigError` over
+    :data:`~pytest_dnnsafety.engines.performance.scenario.MAX_GROUPS`, before anything per group is allocated.
+
+    Every gate with ``by=`` (performance, detection, ...) groups through :meth:`ScenarioGroups.of`, which checks here.
+    """
+    sizes = [len(domain) for domain in domains]
+    count = math.prod(sizes)
+    if count <= MAX_GROUPS:
+        return count
+    shown = " × ".join(f"{name} {size}" for name, size in zip(by, sizes))
+    keep = len(by)
+    while keep > 1 and math.prod(sizes[:keep]) > MAX_GROUPS:
+        keep -= 1
+    fewer = (f"fewer by conditions (by={list(by)[:keep]} gives {math.prod(sizes[:keep]):,} groups), "
+             if math.prod(sizes[:keep]) <= MAX_GROUPS else "")
+    raise ConfigError(
+        f"by={list(by)} gives {count:,} groups (the product of the domain sizes: {shown}), more than the cap of "
+        f"{MAX_GROUPS:,} groups; refused before allocating them. Fix: {fewer}coarser domains (merge the values of "
+        "the largest conditions in the conditions file)"
+    )
 
 
 def by_names(options: Mapping[str, Any]) -> list[str]:
@@ -69,11 +95,14 @@ class ScenarioGroups:
             return cls.whole(int(n_rows or 0), fixtures=fixtures)
         if table is None:
             raise ValueError(f"grouping by {list(by)} needs the scenario table")
-        resolve_by(table, by)  # an unknown condition is the gate's error, before any forward pass
+        columns = resolve_by(table, by)  # an unknown condition is the gate's error, before any forward pass
+        domains = [table.conditions.domains[name] for name in by]
+        check_group_count(by, domains)  # before anything per group is allocated
         if n_rows is None:
             n_rows = count_samples(data)
         check_rows_match(table, n_rows, table_fixture=fixtures["scenarios"], data_fixture=fixtures["data"])
-        layout = ScenarioPerformanceEngine.from_table(table, by)  # its domains, strides and feasibility
+        # The engine's layout (domains, strides) with the feasibility of the by subset alone.
+        layout = ScenarioPerformanceEngine(by, domains, feasible=table.conditions.subset_feasibility(columns))
         return cls(by=layout.by, domains=layout.domains, strides=layout.strides, feasible=layout.feasible,
                    index=layout.group_index(table).cpu(), table=table, fixtures=fixtures)
 

@@ -13,14 +13,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.engines.coverage.scenario import ScenarioCoverageEngine
+from pytest_dnnsafety.engines.coverage.scenario import ScenarioCoverageEngine, check_projection_cells
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.files.parsing import NotRegularFile, open_text
 from pytest_dnnsafety.scenarios.conditions import Conditions, Where, _as_value_list, _prefix
 from pytest_dnnsafety.scenarios.proposals import _propose, scenario_strategy
 from pytest_dnnsafety.scenarios.result import CoverageResult, SubsetCoverage, _format_where, pair_grids
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
+
+
+#: The most k-projection cells :meth:`ScenarioTable.coverage` counts: its result lists every uncovered cell
+#: (a dict each: about 0.4 GB and 4 s per million cells), so the cap sits below the coverage engine's
+#: ``MAX_CELLS``, as the reliability grid caps the cells it holds (``MAX_GRID_CELLS``).
+MAX_TABLE_CELLS = 1 << 22
 
 
 def _check_code_tensor(codes: Tensor, conditions: Conditions, source: str | None) -> Tensor:
@@ -80,9 +87,12 @@ class ScenarioTable:
         path = Path(path)
         where = f"scenario file {str(path)!r}"
         try:
-            handle = path.open(newline="", encoding="utf-8-sig")
+            handle = open_text(path, newline="", encoding="utf-8-sig")
         except FileNotFoundError:
             raise DataError(f"{where} does not exist; check the dnnsafety_scenarios path") from None
+        except NotRegularFile as exc:
+            raise DataError(f"{where}: {exc}; refused before opening it. Fix: point dnnsafety_scenarios at a CSV "
+                            "file with one row per evaluation sample") from None
         with handle:
             reader = csv.reader(handle)
             try:
@@ -312,6 +322,8 @@ class ScenarioTable:
         conditions = table.conditions
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(conditions):
             raise ConfigError(f"k must be an int between 1 and the number of conditions ({len(conditions)}), got {k!r}")
+        check_projection_cells(conditions.cardinalities, k, conditions.names, cap=MAX_TABLE_CELLS,
+                               why=" (the result lists every uncovered cell)")  # before anything per cell
         feasible, exact = conditions.cell_feasibility(k)
         if not bool(feasible.any()):
             scope = f" where {_format_where(where_values)}" if where_values else ""

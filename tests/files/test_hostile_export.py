@@ -32,14 +32,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from _hostile import make_settings, save_export, torch_save_bytes
+from _hostile import Members, genuine, make_settings, save_export, torch_save_bytes  # noqa: F401 (fixture)
 from conftest import GateProject
 from pytest_dnnsafety.files.archives import weights_only_forced
 from pytest_dnnsafety.errors import ModelLoadError
 from pytest_dnnsafety.files.loading import load_model
 
 CPU = torch.device("cpu")
-Members = list[tuple[str, bytes]]
 
 
 class RunsCommand:
@@ -59,13 +58,6 @@ def payload(marker: Path, protocol: int = 0) -> bytes:
 # ------------------------------------------------------------------------------ building archives
 
 
-@pytest.fixture(scope="module")
-def genuine(tmp_path_factory: pytest.TempPathFactory) -> Members:
-    """The members of a genuine ``torch.export.save`` file (a parameter, a buffer, a constant)."""
-    path = tmp_path_factory.mktemp("genuine") / "good.pt2"
-    save_export(path)
-    with zipfile.ZipFile(path) as archive:
-        return [(info.filename, archive.read(info)) for info in archive.infolist()]
 
 
 def write_zip(path: Path, members: Members) -> None:

@@ -28,8 +28,6 @@ Measured on 2 CPU cores: about 0.1–0.2 s for 10^6 rows × 10 conditions at k =
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,11 +40,50 @@ from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 
 from pytest_dnnsafety.engines.core.projection import ProjectionLayout
 
-__all__ = ["MAX_CELLS", "ScenarioCoverageEngine", "ScenarioCoverageOutput"]
+__all__ = ["MAX_CELLS", "ScenarioCoverageEngine", "ScenarioCoverageOutput", "check_projection_cells",
+           "projection_cells"]
 
 #: Upper bound on the number of cells over all k-projection tables (the ``counts`` state is
-#: int64, so this bounds it at 256 MiB).
+#: int64, so this bounds it at 256 MiB). Checked from the domain sizes before anything is allocated
+#: (:func:`check_projection_cells`), by the engine and by the scenario table's feasibility.
 MAX_CELLS = 1 << 25
+
+
+def projection_cells(cardinalities: Sequence[int], k: int) -> int:
+    """Cells over all k-projection tables: the sum over the k-subsets of the product of their domain sizes.
+
+    The elementary symmetric polynomial ``e_k`` of the sizes, in ``n·k`` steps (no loop over the subsets).
+    """
+    sums = [1] + [0] * k
+    for card in cardinalities:
+        for j in range(k, 0, -1):
+            sums[j] += sums[j - 1] * int(card)
+    return sums[k]
+
+
+def check_projection_cells(cardinalities: Sequence[int], k: int, names: Sequence[str] | None = None,
+                           cap: int = MAX_CELLS, why: str = "") -> int:
+    """The k-projection cell count, or :class:`ConfigError` when it exceeds ``cap`` (:data:`MAX_CELLS`).
+
+    The message names k, the count, the largest domains, the cap and the fixes (a smaller k, with its
+    count; coarser domains; ``where=`` to narrow them).
+    """
+    cards = tuple(int(card) for card in cardinalities)
+    cells = projection_cells(cards, k)
+    if cells <= cap:
+        return cells
+    labels = tuple(names) if names is not None else tuple(f"condition {i}" for i in range(len(cards)))
+    largest = sorted(range(len(cards)), key=lambda i: -cards[i])[:k]
+    shown = " × ".join(f"{labels[i]} {cards[i]}" for i in sorted(largest))
+    smaller = next((f"a smaller k (k={j} gives {projection_cells(cards, j):,} cells)" for j in range(k - 1, 0, -1)
+                    if projection_cells(cards, j) <= cap), "")
+    fixes = ", ".join(part for part in (smaller, "coarser domains (merge the values of the largest conditions)",
+                                        "or where= to narrow the domains to the values of interest") if part)
+    raise ConfigError(
+        f"k={k} over {len(cards)} conditions gives {cells:,} projection cells (the sum over the k-subsets of their "
+        f"domain sizes' product; the largest: {shown}), more than the cap of {cap:,} cells{why}; refused before "
+        f"allocating them (one count per cell alone: {cells * 8 / 2**30:,.1f} GiB). Fix: {fixes}"
+    )
 
 #: Target number of ``rows × subsets`` indices per chunk on the CPU (cache-sized; measured
 #: fastest between 2**19 and 2**21 on a 2-core machine) and on accelerators.
@@ -132,12 +169,7 @@ class ScenarioCoverageEngine(Engine):
             names = tuple(str(name) for name in names)
             if len(names) != len(cards):
                 raise ConfigError(f"names has {len(names)} entries but there are {len(cards)} cardinalities")
-        n_cells = sum(math.prod(cards[c] for c in subset) for subset in itertools.combinations(range(len(cards)), k))
-        if n_cells > MAX_CELLS:
-            raise ConfigError(
-                f"k={k} over {len(cards)} conditions gives {n_cells} projection cells (limit {MAX_CELLS}); "
-                f"use a smaller k or coarser conditions"
-            )
+        check_projection_cells(cards, k, names)
         self.cardinalities: tuple[int, ...] = cards
         self.k = k
         self.min_count = min_count

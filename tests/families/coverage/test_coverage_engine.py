@@ -184,7 +184,7 @@ def test_bad_codes_are_data_errors(codes, message: str) -> None:
         ({"cardinalities": [3, 2], "min_count": 0}, "min_count must be a positive int"),
         ({"cardinalities": [3, 2], "feasible": torch.ones(5, dtype=torch.bool)}, r"shape \(6,\)"),
         ({"cardinalities": [3, 2], "names": ["a"]}, "names has 1 entries"),
-        ({"cardinalities": [64] * 8, "k": 5}, f"limit {MAX_CELLS}"),
+        ({"cardinalities": [64] * 8, "k": 5}, f"cap of {MAX_CELLS:,} cells"),
     ],
 )
 def test_bad_configuration_is_a_config_error(kwargs, message: str) -> None:
