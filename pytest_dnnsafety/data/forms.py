@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from pytest_dnnsafety.errors import DataError
-from pytest_dnnsafety.data.tasks import BoxSet, DetectionData, as_boxset, check_multilabel, is_detection_output
+from pytest_dnnsafety.data.tasks import (BoxSet, DetectionData, as_boxset, check_multilabel, is_detection_output,
+                                         label_problem)
 
 __all__ = ["as_tensors", "check_loader_order", "detection_source", "iter_batches", "known_length"]
 
@@ -96,14 +97,12 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
             raise DataError(
                 f"{what}: x has {x.shape[0]} samples but y has {y.shape[0]} labels. Fix: align inputs and labels."
             )
-        if torch.is_floating_point(y):
-            if not torch.isfinite(y).all() or not torch.equal(y, y.round()):
-                raise DataError(f"{what}: labels y must be integer class indices.")
-            y = y.long()
-        else:
-            y = y.long()
-        if y.ndim == 2:  # multi-label: a (N, classes) 0/1 matrix
+        if y.ndim == 2:  # multi-label: a (N, classes) 0/1 matrix (booleans, floats 0.0/1.0 accepted)
             check_multilabel(y, what)
+        problem = label_problem(y)
+        if problem is not None:
+            raise DataError(f"{what}: {problem}.")
+        y = y.long()
     return x, y
 
 

@@ -37,7 +37,8 @@ from pytest_dnnsafety.errors import DataError, MetricError
 __all__ = [
     "TASKS", "SINGLE", "MULTI", "DETECTION", "BoxSet", "DetectionData", "detection_collate", "infer_task",
     "as_boxset", "detections_from_output", "is_detection_output", "check_multilabel", "unsupported",
-    "box_iou", "paired_iou", "matched_scores", "bad_boxes", "group_starts"]
+    "box_iou", "paired_iou", "matched_scores", "bad_boxes", "bad_scores", "detector_output_problem", "group_starts",
+    "label_problem", "task_mismatch"]
 
 #: Every task a gate may declare, in the order the docs list them.
 TASKS = TASK_NAMES
@@ -195,15 +196,43 @@ def as_boxset(value: Any, n: int, what: str, *, scores: bool = False, error: typ
 
 
 def bad_boxes(boxes: BoxSet, num_classes: int | None = None) -> Tensor:
-    """A device tensor: true where a box (or score) is not finite, inverted, or its label is out of range."""
+    """A device tensor: true where a box is not finite, inverted, or its label is out of range (the scores are
+    :func:`bad_scores`' concern)."""
     bad = ~torch.isfinite(boxes.boxes).all(dim=1)
     bad |= (boxes.boxes[:, 2] < boxes.boxes[:, 0]) | (boxes.boxes[:, 3] < boxes.boxes[:, 1])
-    if boxes.scores is not None:
-        bad |= ~torch.isfinite(boxes.scores)
     bad |= boxes.labels < 0
     if num_classes is not None:
         bad |= boxes.labels >= num_classes
     return bad
+
+
+def bad_scores(scores: Tensor) -> Tensor:
+    """A device tensor: true where a detection score is NaN or outside ``[0, 1]``.
+
+    Every detection gate reads a score as a probability (COCO's ranking, the recall's and the monitors'
+    ``score_threshold``, the matched score of Cheng et al. 2018): a detector that returns percent, logits or
+    ``scores + 1`` would make a threshold of 0.5 mean nothing, so its scores are refused, never rescaled."""
+    return ~((scores >= 0) & (scores <= 1))
+
+
+def detector_output_problem(out: Any, n: int) -> str | None:
+    """What is wrong with a detector's output that is not one dict per image, in a detector's words, else None.
+
+    Two shapes a torchvision-style detector returns outside inference: ``(losses, detections)`` (a model left in
+    training mode, or a scripted detector, returns both) and one dict of boxes, scores and labels for the whole
+    batch instead of one per image. Only a host-side look at the containers (no tensor is read)."""
+    if (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], Mapping) and "boxes" not in out[0]
+            and isinstance(out[1], (tuple, list)) and (not out[1] or isinstance(out[1][0], Mapping))):
+        return (f"the model returned a pair (losses, detections) — a dict of {len(out[0])} loss(es) and "
+                f"{len(out[1])} detection dicts — the training-mode (or scripted) shape of a torchvision detector. "
+                "Fix: call model.eval() in the model fixture (the plugin switches an nn.Module to eval, but not "
+                "a wrapper that ignores it), or return only the list of detections (out[1]), one dict per image")
+    if isinstance(out, Mapping) and "boxes" in out:
+        shapes = ", ".join(f"{key} {tuple(getattr(value, 'shape', ()))}" for key, value in out.items())
+        return (f"the model returned one dict for the whole batch of {n} images ({shapes}), but a detector "
+                "returns one dict per image. Fix: return a list of n dicts, image i's boxes (n_i, 4), scores "
+                "(n_i,) and labels (n_i,) in dict i (torchvision's format)")
+    return None
 
 
 def is_detection_output(out: Any) -> bool:
@@ -215,6 +244,9 @@ def is_detection_output(out: Any) -> bool:
 
 def detections_from_output(out: Any, n: int, what: str) -> BoxSet:
     """A detector's output for ``n`` images as a :class:`BoxSet` with scores (shapes checked; errors are MetricError)."""
+    problem = detector_output_problem(out, n)
+    if problem is not None:
+        raise MetricError(f"{what}: {problem}.")
     if not is_detection_output(out):
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise MetricError(
@@ -260,8 +292,9 @@ def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Ten
     ``(len(targets),)`` float32 on the targets' device, differentiable in the detections' scores (the pairing
     itself is a selection). Each detection is paired only with the objects of its own image (``Σ_i D_i·M_i``
     pairs, not a ``D × M`` matrix), so a chunk of thousands of occluded or perturbed copies costs memory linear
-    in its boxes. Laying the pairs out reads their number to the host once per call (``repeat_interleave``):
-    detections are ragged, so their pairing cannot be sized without it.
+    in its boxes; more than :data:`PAIR_CHUNK` pairs (one image of 10^6 objects) are paired in spans of
+    detections, so the working set stays bounded. Laying the pairs out reads their number to the host once per
+    call: detections are ragged, so their pairing cannot be sized without it.
     """
     if detections.scores is None:
         raise ValueError("matched_scores needs detections with scores")
@@ -274,17 +307,49 @@ def matched_scores(detections: BoxSet, targets: BoxSet, iou: float = 0.5) -> Ten
     t_counts = torch.bincount(targets.image, minlength=n)[:n]
     t_starts = group_starts(t_counts)
     per_det = t_counts[dets.image]  # pair j: detection d with the objects of its image, one after the other
-    det_of = torch.repeat_interleave(torch.arange(len(dets), device=device), per_det)
-    within = torch.arange(det_of.shape[0], device=device) - group_starts(per_det)[det_of]
-    obj_of = t_starts[dets.image[det_of]] + within
-    overlap = paired_iou(dets.boxes[det_of], targets.boxes[obj_of])
-    ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])
-    score = torch.where(ok, dets.scores[det_of].float(), torch.zeros((), device=device))
-    out = torch.zeros(m, device=device, dtype=score.dtype)
-    return out.scatter_reduce(0, obj_of, score, reduce="amax", include_self=True)
+    ends = torch.cumsum(per_det, 0)
+    total = int(ends[-1])  # the one read: the number of pairs
+    spans = [(0, len(dets), total)]
+    if total > PAIR_CHUNK:  # e.g. 100 detections on an image of 10^6 objects: spans of detections, pairs bounded
+        marks = torch.arange(PAIR_CHUNK, total, PAIR_CHUNK, device=device)
+        cuts = sorted({0, len(dets), *torch.searchsorted(ends, marks, right=True).tolist()})
+        at = torch.cat([ends.new_zeros(1), ends])[cuts].tolist()
+        spans = [(a, b, at[i + 1] - at[i]) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    starts = ends - per_det
+    out = torch.zeros(m, device=device, dtype=torch.float32)
+    for d0, d1, size in spans:
+        det_of = d0 + torch.repeat_interleave(torch.arange(d1 - d0, device=device), per_det[d0:d1], output_size=size)
+        within = torch.arange(det_of.shape[0], device=device) + (starts[d0] - starts[det_of])  # rank in its image
+        obj_of = t_starts[dets.image[det_of]] + within
+        overlap = paired_iou(dets.boxes[det_of], targets.boxes[obj_of])
+        ok = (overlap >= iou) & (dets.labels[det_of] == targets.labels[obj_of])
+        score = torch.where(ok, dets.scores[det_of].float(), torch.zeros((), device=device))
+        out = out.scatter_reduce(0, obj_of, score, reduce="amax", include_self=True)
+    return out
+
+
+#: Detection–object pairs of one span of :func:`matched_scores` (each pair's boxes and IoU: ~100 bytes).
+PAIR_CHUNK = 1 << 21
 
 
 # ------------------------------------------------------------------------------------- data
+
+
+def _ends(offsets: Tensor) -> str:
+    """The offsets shown in an error: all of a short array, else its first and last three."""
+    values = offsets.tolist()
+    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:3]))}, …, " \
+        f"{', '.join(map(str, values[-3:]))}]"
+
+
+def _wrapped(stored: str, m: int) -> str:
+    """The likely cause when a narrow integer dtype cannot hold ``m``: its values wrapped when saved."""
+    if stored in ("uint8", "int8", "int16", "uint16", "int32", "uint32"):
+        top = int(torch.iinfo(getattr(torch, stored)).max)
+        if m > top:
+            return (f" — {stored} holds at most {top}, fewer than the {m} boxes, so the offsets wrapped when they "
+                    "were saved; save them as int64 (offsets.astype(np.int64))")
+    return ""
 
 
 class DetectionData(torch.utils.data.Dataset):
@@ -312,6 +377,8 @@ class DetectionData(torch.utils.data.Dataset):
         boxes = torch.as_tensor(boxes).to(torch.float32 if not torch.as_tensor(boxes).is_floating_point()
                                           else torch.as_tensor(boxes).dtype)
         labels, offsets = torch.as_tensor(labels), torch.as_tensor(offsets)
+        if not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+            labels = labels.to(torch.int64)  # any integer dtype (a uint64 above 2**63 turns negative: refused)
         n = int(x.shape[0]) if x.ndim else 0
         if boxes.numel() == 0:
             boxes = boxes.reshape(0, 4)
@@ -320,11 +387,16 @@ class DetectionData(torch.utils.data.Dataset):
             problems.append(f"boxes has shape {tuple(boxes.shape)}, expected (M, 4) x1, y1, x2, y2")
         if labels.is_floating_point() or labels.reshape(-1).shape[0] != boxes.shape[0]:
             problems.append(f"labels must be M = {boxes.shape[0]} integers, got {labels.dtype} {tuple(labels.shape)}")
-        if offsets.is_floating_point() or offsets.ndim != 1 or offsets.shape[0] != n + 1:
-            problems.append(f"offsets must be N + 1 = {n + 1} integers, got {offsets.dtype} {tuple(offsets.shape)}")
-        elif n + 1 and (int(offsets[0]) != 0 or int(offsets[-1]) != boxes.shape[0]
-                        or bool((offsets[1:] < offsets[:-1]).any())):
-            problems.append(f"offsets must rise from 0 to M = {boxes.shape[0]}")
+        stored = str(offsets.dtype).replace("torch.", "")
+        if (offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool or offsets.ndim != 1
+                or offsets.shape[0] != n + 1):
+            problems.append(f"offsets must be N + 1 = {n + 1} integers, got {stored} {tuple(offsets.shape)}")
+        else:  # any integer dtype: read as int64 (a uint64 above 2**63 turns negative and fails the checks)
+            offsets = offsets.to(torch.int64)
+            if n + 1 and (int(offsets[0]) != 0 or int(offsets[-1]) != boxes.shape[0]
+                          or bool((offsets[1:] < offsets[:-1]).any())):
+                problems.append(f"offsets must rise from 0 to M = {boxes.shape[0]}, got {_ends(offsets)} "
+                                f"(stored as {stored})" + _wrapped(stored, boxes.shape[0]))
         if not problems and boxes.numel() and not bool(torch.isfinite(boxes).all()):
             problems.append("boxes hold NaN/inf")
         if not problems and boxes.numel() and bool(((boxes[:, 2] < boxes[:, 0]) | (boxes[:, 3] < boxes[:, 1])).any()):
@@ -358,13 +430,41 @@ def detection_collate(items: Sequence[tuple[Any, Any]]) -> tuple[Tensor, BoxSet]
 # ------------------------------------------------------------------------------------- inference
 
 
+def label_problem(y: Tensor) -> str | None:
+    """What is wrong with labels read whole (one host read), naming the first bad value and its position, else None.
+
+    A ``(N, classes)`` matrix is a multi-label one and must hold 0/1 (or booleans); ``(N,)`` labels must be integer
+    class indices (a float 3.0 is accepted, 0.5 and NaN are not)."""
+    if y.dtype == torch.bool or y.numel() == 0:
+        return None
+    if y.ndim == 2:
+        bad = ~((y == 0) | (y == 1))
+    else:
+        bad = ~torch.isfinite(y) | (y != y.round()) if y.is_floating_point() else torch.zeros_like(y, dtype=torch.bool)
+    flat = bad.reshape(-1).nonzero()
+    if flat.numel() == 0:
+        return None
+    count, first = int(bad.sum()), int(flat[0])
+    value = y.reshape(-1)[first].item()
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    if y.ndim == 2:
+        row, column = divmod(first, int(y.shape[1]))
+        return (f"multi-label labels must be 0 or 1 (a (N, classes) label matrix is a multi-label one: 0/1 or "
+                f"booleans), but it holds {count} other value(s), the first {shown} at row {row}, column {column}. "
+                "Fix: save one 0/1 column "
+                "per class (threshold or round soft labels, fill missing ones); for one class index per input give "
+                "(N,) labels")
+    return (f"labels y must be integer class indices, but {count} are not, the first {shown} at row {first}. Fix: "
+            "give class indices 0, 1, ... (a (N, classes) 0/1 matrix for a multi-label model)")
+
+
 def check_multilabel(y: Tensor, what: str) -> None:
     """Raise unless ``y`` is a ``(N, classes)`` 0/1 matrix (on the host; for data read whole)."""
     if y.ndim != 2 or y.shape[1] < 2:
         raise DataError(f"{what}: multi-label labels must be a (N, classes) 0/1 matrix, got shape {tuple(y.shape)}.")
-    if not bool(((y == 0) | (y == 1)).all()):
-        raise DataError(f"{what}: multi-label labels must be 0 or 1, found other values. Fix: save a 0/1 matrix "
-                        "with one column per class.")
+    problem = label_problem(y)
+    if problem is not None:
+        raise DataError(f"{what}: {problem}.")
 
 
 _PEEKED: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
@@ -392,6 +492,43 @@ def _peeked_task(dataset: Any) -> str | None:
     except TypeError:  # not weak-referenceable: read again next time
         pass
     return task
+
+
+def _label_shape(data: Any) -> tuple[int, ...] | None:
+    """The shape of labels held whole (a tensor pair, a dict, a TensorDataset), else None (not read)."""
+    source = data.dataset if isinstance(data, torch.utils.data.DataLoader) else data
+    y: Any = None
+    if isinstance(source, torch.utils.data.TensorDataset):
+        y = source.tensors[1] if len(source.tensors) > 1 else None
+    elif isinstance(source, Mapping):
+        y = source.get("y")
+    elif isinstance(source, (tuple, list)) and len(source) == 2 and hasattr(source[0], "shape"):
+        y = source[1]
+    shape = getattr(y, "shape", None)
+    return tuple(int(v) for v in shape) if shape is not None else None
+
+
+def task_mismatch(task: str, source: str, data: Any, fixture: str = "data") -> DataError | None:
+    """The error for a task set explicitly (``source``: where it was set) that the data's labels contradict, or None.
+
+    Without it a ``task='single-label'`` on a ``(N, classes)`` label matrix reaches the metric as a raw size error.
+    Only the two classifier tasks are compared (a detector's data set to a classifier task is the gate's own
+    concern, e.g. occlusion's masks); data whose task cannot be told (:func:`infer_task` is None) are left to
+    the gate's own checks."""
+    if task not in (SINGLE, MULTI):
+        return None
+    inferred = infer_task(data)
+    if inferred not in (SINGLE, MULTI) or inferred == task:
+        return None
+    shape = _label_shape(data)
+    form = {SINGLE: "(N,) class indices", MULTI: "a (N, classes) 0/1 matrix", DETECTION: "boxes per image"}[inferred]
+    seen = f"labels of shape {shape}, i.e. {form}" if shape is not None else f"labels of the form {form}"
+    extra = (" (one-hot labels of a single-label model: give class indices y.argmax(1) instead)"
+             if inferred == MULTI and task == SINGLE else "")
+    return DataError(
+        f"task {task!r} ({source}) does not fit fixture {fixture!r}: it holds {seen}, the labels of "
+        f"{_WHAT[inferred]}, where task {task!r} needs {_WHAT[task]}. Fix: set task={inferred!r} (or leave task "
+        f"out / dnnsafety_task=auto to infer it){extra}, or give data with the labels task {task!r} needs.")
 
 
 def infer_task(data: Any) -> str | None:

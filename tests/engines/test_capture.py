@@ -187,8 +187,8 @@ def test_wrong_input_shape_names_the_batch_the_shape_and_the_fix(conv: Conv8, im
     with pytest.raises(MetricError) as info:
         capture(conv, flat, ["features.1"], batch_size=16)
     first = str(info.value).splitlines()[0]
-    assert first.startswith("layer activations (forward pass of the neuron gates): the model raised RuntimeError on "
-                            "batch 0 (inputs of shape (16, 64), float32, on cpu; model: Conv8 with float32 weights")
+    assert first.startswith("the shared forward pass (model outputs and layer activations): the model raised "
+                            "RuntimeError on batch 0 (inputs of shape (16, 64), float32, on cpu; model: Conv8 with float32 weights")
     assert "Fix: give inputs in the shape the model expects" in first
     assert _hook_count(conv) == 0
 
@@ -212,8 +212,8 @@ def test_nan_logits_fail_the_capture_naming_the_first_bad_batch(images: tuple) -
     with pytest.raises(MetricError) as info:
         capture(model, (x, images[1]), ["features.1", "classifier.2"], batch_size=16)
     assert str(info.value).splitlines()[0].startswith(
-        "layer activations (forward pass of the neuron gates): the model's outputs hold NaN/inf in 2 of 40 inputs; "
-        "the first bad batch is batch 2.")
+        "the shared forward pass (model outputs and layer activations): the model's outputs hold NaN/inf in 2 of 40 "
+        "inputs; the first bad batch is batch 2.")
 
 
 def test_nan_activations_name_the_first_bad_input_and_batch(images: tuple) -> None:

@@ -210,8 +210,11 @@ def _model_device(model: Any, fallback: torch.device | str) -> torch.device:
     return model_device(model, fallback)
 
 
-#: What the pass is called in its error messages (the runner's and the forward guard's).
-WHAT = "layer activations (forward pass of the neuron gates)"
+#: What the pass is called in its error messages (the runner's and the forward guard's): the session's shared pass
+#: serves every gate that reads the model's outputs (classifier and detection gates alike), and the neuron gates'
+#: layers when it records any (:data:`WHAT`; :data:`OUTPUTS_WHAT` when it records none).
+WHAT = "the shared forward pass (model outputs and layer activations)"
+OUTPUTS_WHAT = "the shared forward pass (model outputs)"
 
 
 def capture(
@@ -254,8 +257,9 @@ def capture(
     tapped = tapped_forward(model, list(dict.fromkeys(layers))) if layers and is_exported_module(model) else None
     if shard is None and batches is not None:
         shard = _batch_range(data, batch_size, batches)
-    runner = Runner(WHAT, model=model, device=device, batch_size=batch_size, shard=shard)
-    guard = runner.guard(WHAT, labels_ok=True, task="any")
+    what = WHAT if layers else OUTPUTS_WHAT
+    runner = Runner(what, model=model, device=device, batch_size=batch_size, shard=shard)
+    guard = runner.guard(what, labels_ok=True, task="any")
     maxima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     means: dict[str, list[Tensor]] = {layer: [] for layer in layers}
     minima: dict[str, list[Tensor]] = {layer: [] for layer in layers}
@@ -294,7 +298,7 @@ def capture(
         """The exported program's pass with its layers' outputs handed to the hooks (the guard's checks kept)."""
         assert tapped is not None
         if guard.batches == 0:  # the guard's determinism probe, on the user's module (memoised on it)
-            check_deterministic(model, x, WHAT)
+            check_deterministic(model, x, what)
         try:
             out = tapped.run(lambda slot, value: hooks[slot](model, (), value), x)
         except MetricError:
@@ -316,6 +320,7 @@ def capture(
             confs.append(top.clamp_min(0.0))
             raw.append(out)  # type: ignore[arg-type]
             if batch.y is not None:
+                guard.targets(batch.y, batch.index)  # labels beyond the detector's declared classes: flagged
                 labels.append(batch.y)
         elif outputs is not None:
             if out.ndim == 1:  # a label-returning model

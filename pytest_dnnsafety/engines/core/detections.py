@@ -10,10 +10,14 @@ image, with IoU ≥ ``iou``, else 0 (:func:`~pytest_dnnsafety.data.tasks.matched
 targets of copies of images (copy ``k`` of image ``images[k]``), :func:`top_scores` gives each
 image's mean top-``k`` detection score (a score-based runtime monitor reads ``1 −`` it),
 :func:`select_images` takes a subset of images out of a packed set and :func:`image_errors` tells,
-per image, whether the detector got it wrong (a missed object or a false detection). Pure torch; no pytest import.
+per image, whether the detector got it wrong (a missed object or a false detection); :func:`declared_classes`
+reads the class count a detector declares (``num_classes``, torchvision's heads). Pure torch; no pytest import.
 """
 
 from __future__ import annotations
+
+import numbers
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,7 +25,7 @@ from torch import Tensor
 from pytest_dnnsafety.data.tasks import BoxSet, group_starts, matched_scores
 
 __all__ = ["repeat_targets", "top_scores", "select_images",
-           "image_errors"]
+           "image_errors", "declared_classes", "detector_classes"]
 
 
 def repeat_targets(targets: BoxSet, images: Tensor) -> tuple[BoxSet, Tensor]:
@@ -92,3 +96,32 @@ def image_errors(detections: BoxSet, targets: BoxSet, iou: float = 0.5, score: f
     false = (matched_scores(as_dets, found, iou) <= 0).to(torch.int64)
     counts = torch.zeros(n, dtype=torch.int64, device=device).index_add(0, targets.image, missed)
     return counts.index_add(0, confident.image, false) > 0
+
+
+def declared_classes(model: Any) -> tuple[int, str] | None:
+    """The class count a detector declares and where it was read, or ``None`` when it declares none.
+
+    Read, in order: ``model.num_classes`` (any detector may declare it; an int ≥ 1), torchvision's
+    single-stage heads (RetinaNet, FCOS, SSD: ``model.head.classification_head.num_classes``) and its
+    two-stage box predictor (Faster/Mask R-CNN: ``model.roi_heads.box_predictor.cls_score.out_features``,
+    class 0 being the background). Attributes only: the model is not run. A detector's labels (and the
+    data's target labels) must lie in ``0 .. count - 1``.
+    """
+    paths = (("num_classes",), ("head", "classification_head", "num_classes"),
+             ("roi_heads", "box_predictor", "cls_score", "out_features"))
+    for path in paths:
+        value: Any = model
+        try:
+            for name in path:
+                value = getattr(value, name)
+        except Exception:  # absent (or a module whose __getattr__ refuses): not declared there
+            continue
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1:
+            return int(value), "model." + ".".join(path)
+    return None
+
+
+def detector_classes(model: Any) -> int | None:
+    """The class count a detector declares (:func:`declared_classes`), or ``None``."""
+    found = declared_classes(model)
+    return None if found is None else found[0]

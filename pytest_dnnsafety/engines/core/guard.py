@@ -14,7 +14,13 @@ Every gate that queries a model goes through :class:`ForwardGuard`. It
 * checks *finiteness* on the device without a host synchronisation per batch: it keeps one
   running tensor with the index of the first batch holding NaN/inf and one with the count of bad
   rows; :meth:`ForwardGuard.check` reads them once, after the loop, and raises a
-  :class:`MetricError` naming the first bad batch.
+  :class:`MetricError` naming the first bad batch;
+* for a detector, the same way: boxes finite and not inverted, labels inside the classes the
+  detector declares (:func:`~pytest_dnnsafety.engines.core.detections.declared_classes`), scores
+  probabilities in ``[0, 1]`` (not NaN, percent or logits: every detection gate reads a score as a
+  probability), and, through :meth:`ForwardGuard.targets`, the data's target labels inside those
+  classes; the output's form (one dict per image, not torchvision's training-mode ``(losses,
+  detections)`` nor one dict per batch) on the host.
 
 Pure torch; no pytest import.
 """
@@ -30,8 +36,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.errors import MetricError
-from pytest_dnnsafety.data.tasks import bad_boxes, detections_from_output, is_detection_output
+from pytest_dnnsafety.errors import DataError, MetricError
+from pytest_dnnsafety.data.tasks import (BoxSet, bad_boxes, bad_scores, detections_from_output, detector_output_problem,
+                                         is_detection_output)
+from pytest_dnnsafety.engines.core.detections import declared_classes
 
 __all__ = ["ForwardGuard", "check_deterministic", "describe_model", "eval_mode", "model_dtype_device", "probing"]
 
@@ -128,6 +136,11 @@ class ForwardGuard:
         self._rows = 0
         self._deterministic = False  # checked on this guard's first batch (see check_deterministic)
         self._boxes = False
+        self._classes_from = "given" if num_classes is not None else ""  # a detector: where its classes were read
+        self._scores: dict[str, Tensor] = {}  # a detector's scores: first bad batch, bad, NaN count, min, max
+        self._n_detections = 0
+        self._targets: dict[str, Tensor] = {}  # the data's target labels: first bad batch, bad, min, max
+        self._objects = 0
 
     # -- the forward pass
 
@@ -148,6 +161,11 @@ class ForwardGuard:
                 f"{tuple(x.shape)}, {str(x.dtype).replace('torch.', '')}, on {x.device}; model: "
                 f"{describe_model(model)}): {_first_line(exc)}. {_hint(exc, x, model)}"
             ) from exc
+        if self.num_classes is None and not self._classes_from and is_detection_output(out):
+            found = declared_classes(model)  # a detector's declared class count (host attributes, once)
+            self._classes_from = "none declared"
+            if found is not None:
+                self.num_classes, self._classes_from = found
         return self.observe(out, x, index)
 
     def observe(self, out: Any, x: Tensor, index: int | None = None) -> Tensor:
@@ -155,6 +173,10 @@ class ForwardGuard:
         if index is None:
             index = self.batches
             self.batches += 1
+        if self.task in ("detection", "any"):
+            problem = detector_output_problem(out, int(x.shape[0]))
+            if problem is not None:
+                raise MetricError(f"{self.what}: on batch {index} {problem}.")
         if is_detection_output(out):
             return self._detections(out, x, index)
         if self.task == "detection":
@@ -226,12 +248,70 @@ class ForwardGuard:
             self._bad_rows = self._bad_rows.to(bad.device) + count
         self._rows += int(x.shape[0])
         self._boxes = True
+        if len(boxes) and boxes.scores is not None:  # shapes are host metadata: no sync
+            scores = boxes.scores.detach().float()  # float32: MPS has no float64
+            nan = torch.isnan(scores)
+            _running(self._scores, index, bad_scores(scores), {"nan": nan.sum()},
+                     scores.masked_fill(nan, math.inf).amin(), scores.masked_fill(nan, -math.inf).amax())
+            self._n_detections += len(boxes)
         return boxes
+
+    def targets(self, targets: Any, index: int) -> None:
+        """Flag, on the device, the data's target labels outside the detector's classes (read by :meth:`check`).
+
+        Only where the class count is known: given to the guard, or declared by the detector (read on its first
+        batch, :func:`~pytest_dnnsafety.engines.core.detections.declared_classes`); call it after the batch's
+        forward pass. An object of a class the detector cannot output can never be found: recall and AP would
+        measure the data's mismatch, not the detector (the classifier gates refuse such labels the same way)."""
+        if not isinstance(targets, BoxSet) or self.num_classes is None or len(targets) == 0:
+            return
+        labels = targets.labels.detach()
+        _running(self._targets, index, (labels < 0) | (labels >= self.num_classes), {}, labels.amin(), labels.amax())
+        self._objects += len(targets)
 
     # -- after the loop
 
     def check(self) -> None:
-        """One host sync: raise a :class:`MetricError` if any output held NaN/inf."""
+        """One host sync: raise a :class:`MetricError` if any output held NaN/inf (or a detector's scores left
+        [0, 1]), a :class:`DataError` if target labels lay outside the detector's classes."""
+        self._check_outputs()
+        self._check_scores()
+        self._check_targets()
+
+    def _check_scores(self) -> None:
+        if not self._scores:
+            return
+        first, bad, nan, lo, hi = torch.stack([self._scores[key].cpu().double() for key in
+                                               ("first", "bad", "nan", "min", "max")]).tolist()
+        if first >= 2.0**62:  # _NONE, read back through float64 (one read for all five)
+            return
+        nans = f"; {int(nan)} are NaN" if nan else ""
+        seen = f"scores range over {lo:.6g}..{hi:.6g}{nans}" if math.isfinite(lo) else "all are NaN"
+        raise MetricError(
+            f"{self.what}: the model's detection scores are NaN or outside [0, 1] for {int(bad)} of "
+            f"{self._n_detections} detections ({seen}); the first bad batch is "
+            f"batch {int(first)}. Every detection gate reads a score as a probability (score_threshold, COCO's "
+            "ranking, the matched score), so scores in percent, logits or shifted scores would move the verdict. "
+            "Fix: return probabilities in [0, 1] (divide percent by 100, apply a sigmoid or softmax to logits), e.g. "
+            "in a wrapper module around the detector.")
+
+    def _check_targets(self) -> None:
+        if not self._targets:
+            return
+        first, bad, lo, hi = torch.stack([self._targets[key].cpu() for key in
+                                          ("first", "bad", "min", "max")]).tolist()
+        if int(first) == _NONE:
+            return
+        k = self.num_classes
+        raise DataError(
+            f"{self.what}: the data's target labels range over {int(lo)}..{int(hi)}, but the detector has {k} classes "
+            f"(0..{k - 1}, {self._classes_from}); {int(bad)} of {self._objects} objects lie outside, the first bad "
+            f"batch is batch {int(first)}. The detector can never find them: recall and AP would measure the data's "
+            f"mismatch, not the detector. Fix: map the data's classes to the detector's class indices (torchvision's "
+            f"detectors count the background as class 0), or give data that belongs to this detector (or declare "
+            f"its true class count as model.num_classes).")
+
+    def _check_outputs(self) -> None:
         if self._first_bad is None:
             return
         first = int(self._first_bad)
@@ -249,6 +329,23 @@ class ForwardGuard:
             f"is batch {first}. A metric computed from them would be meaningless. Fix: check the model's weights "
             f"(corrupted or diverged training) and the inputs' range."
         )
+
+
+def _running(state: dict[str, Tensor], index: int, bad: Tensor, counts: dict[str, Tensor], low: Tensor,
+             high: Tensor) -> None:
+    """Fold one batch into a running on-device record: first bad batch, bad count, extra counts, min, max."""
+    hit = bad.sum()
+    first = torch.where(hit > 0, torch.full((), index, dtype=torch.int64, device=hit.device),
+                        torch.full((), _NONE, dtype=torch.int64, device=hit.device))
+    batch = {"first": first, "bad": hit, **counts, "min": low, "max": high}
+    if not state:
+        state.update(batch)
+        return
+    device = state["first"].device
+    for key, value in batch.items():
+        value = value.to(device)
+        state[key] = (torch.minimum(state[key], value) if key in ("first", "min")
+                      else torch.maximum(state[key], value) if key == "max" else state[key] + value)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -77,6 +77,7 @@ def assess_detector_confidence(model: Any, data: Any, families: Mapping[str, Any
         x, t = batch.x, batch.y  # boxes: the runner checked the labels' form for task='detection'
         with torch.no_grad():
             p_clean = matched_scores(clean_guard(model, x), t, iou)
+        clean_guard.targets(t, batch.index)  # target labels beyond the detector's declared classes: flagged
         p_pert = []
         for i, (name, fam) in enumerate(zip(names, fams)):
             gen = torch.Generator().manual_seed(_family_seed(seed, i, batch.index))
