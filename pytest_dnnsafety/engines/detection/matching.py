@@ -31,12 +31,15 @@ objects would be too narrow. The images are the independent units: a replicate r
 images with replacement (multinomial weights, from a seeded ``torch.Generator``: the same seed gives
 the same numbers) and recomputes mAP from the kept records with *weighted* cumulative sums (an image
 drawn twice counts twice, exactly as if its detections were duplicated next to each other), for a
-chunk of replicates at once with matrix operations; no replicate repeats the matching. The lower
-bound is the ``1 − confidence`` percentile of the replicates (``lower`` interpolation), the upper
-the ``confidence`` percentile. A percentile bootstrap interval is an *estimate* of the sampling
-uncertainty, not an exact (guaranteed-coverage) bound: its coverage approaches the nominal level
-only as the number of images grows, and mAP is a non-smooth statistic of the whole ranking. A
-replicate whose images hold no ground truth at all has no mAP and counts as 0 (conservative).
+chunk of replicates at once with matrix operations; no replicate repeats the matching. The same weighted
+evaluation gives a grouped jackknife (rows leaving out a group of images) and random half-subsets (0/1
+weights), from which :func:`~pytest_dnnsafety.engines.detection.bootstrap.bootstrap_lower` reads the lower bound
+by ``method``: BCa, a bias-extrapolated bound, their minimum (``"conservative"``), that minimum read at a
+fifth of the error rate (``"wide"``, the default) or the plain percentile, which undercovers mAP because sample AP is biased upwards on finite samples (see that module and
+docs/gates/detection.md, "How good is the bound"). The upper end is the ``confidence`` percentile. None of these
+is an exact (guaranteed-coverage) bound; their coverage is measured on known-truth simulations. A replicate
+whose images hold no ground truth at all has no mAP and counts as 0 (conservative). Each chunk of replicates
+ticks the gate's progress line (:func:`pytest_dnnsafety.runtime.progress.tick`, host ints, no sync).
 
 Pure torch, no pytest import.
 """
@@ -54,6 +57,9 @@ from torch import Tensor
 from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
 from pytest_dnnsafety.engines.core.base import Engine
+from pytest_dnnsafety.engines.detection.bootstrap import (DEFAULT_METHOD, bootstrap_lower, half_weights,
+                                                       jackknife_weights)
+from pytest_dnnsafety.runtime import progress
 
 __all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
 
@@ -159,9 +165,11 @@ class BoxMatchEngine(Engine):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, images: Tensor | None = None, *, bootstrap: int = 0, confidence: float = 0.95,
-                 generator: torch.Generator | None = None, columns: Sequence[int] | None = None) -> "GroupMAP":
+                 generator: torch.Generator | None = None, columns: Sequence[int] | None = None,
+                 method: str = DEFAULT_METHOD) -> "GroupMAP":
         """mAP (and per-class AP) of the images ``images`` (a bool mask or indices; default all), with a
-        percentile bootstrap over those images when ``bootstrap`` > 0 (see the module docstring).
+        bootstrap over those images when ``bootstrap`` > 0 whose lower bound is read by ``method``
+        (:data:`~pytest_dnnsafety.engines.detection.bootstrap.BOUND_METHODS`; see the module docstring).
         ``columns``: the thresholds (indices into ``thresholds``) averaged over (default all; each
         threshold's matching is independent of the others, so a subset is that subset's mAP)."""
         score, label, image, matched, gimage, glabel = self.records()
@@ -188,29 +196,43 @@ class BoxMatchEngine(Engine):
         ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
         ap = average_precision(matched, image, bounds, gt_counts, ones)[0]  # (K, T), NaN without GT
         point = _mean_map(ap)
-        lower = upper = None
-        replicates = None
+        lower = upper = replicates = jackknife = halves = None
         if bootstrap:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            maps = []
-            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // max(1, score.numel() * matched.shape[1], n_img * max(K, 1)))
+            per_row = max(1, score.numel() * matched.shape[1], n_img * max(K, 1))
+            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // per_row)
+            jk_weights = jackknife_weights(n_img).to(score.device)
+            maps, jks, subs = [], [], []
             for first in range(0, bootstrap, chunk):
                 b = min(chunk, bootstrap - first)
                 weights = _multinomial_weights(b, n_img, gen).to(score.device)
                 maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
-            replicates = torch.cat(maps) if maps else torch.zeros(0, dtype=torch.float64)
-            lower, upper = _percentiles(replicates, confidence)
+                progress.tick(first + b, bootstrap, "bootstrap replicates")
+            for first in range(0, jk_weights.shape[0], chunk):
+                jks.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
+                                                       jk_weights[first:first + chunk]), fill=0.0))
+            half = half_weights(n_img, gen).to(score.device)
+            for first in range(0, half.shape[0], chunk):
+                subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
+                                                        half[first:first + chunk]), fill=0.0))
+            replicates = torch.cat(maps).cpu()
+            jackknife = torch.cat(jks).cpu()
+            halves = torch.cat(subs).cpu()
+            lower = float(bootstrap_lower(replicates, point, confidence, method, jackknife, halves))
+            upper = _percentiles(replicates, confidence)[1]
         return GroupMAP(images=n_img, objects=int(gimage.numel()), detections=int(score.numel()),
                         classes=classes.tolist(), ap=ap.cpu(), map=point,
                         map50=_mean_map(ap[:, :1]) if ap.numel() else math.nan,
-                        lower=lower, upper=upper, replicates=replicates,
+                        lower=lower, upper=upper, replicates=replicates, jackknife=jackknife, method=method,
+                        halves=halves,
                         thresholds=self.thresholds[columns].tolist())
 
     def recall(self, images: Tensor | None = None, *, score_threshold: float = 0.5, threshold_index: int = 0,
                bootstrap: int = 0, confidence: float = 0.95, generator: torch.Generator | None = None,
-               ) -> "GroupRecall":
+               method: str = DEFAULT_METHOD) -> "GroupRecall":
         """Per-class recall of the images ``images``: objects matched (at ``thresholds[threshold_index]``) by a
-        detection with score ≥ ``score_threshold``, over the objects; bootstrap over images as :meth:`evaluate`."""
+        detection with score ≥ ``score_threshold``, over the objects; bootstrap over images as :meth:`evaluate`, in
+        chunks of replicates (the exact delete-one jackknife of each ratio gives BCa's acceleration)."""
         score, label, image, matched, gimage, glabel = self.records()
         keep = self._image_mask(images)
         members = torch.nonzero(keep).reshape(-1)
@@ -232,17 +254,33 @@ class BoxMatchEngine(Engine):
                            torch.ones(gl.numel(), dtype=torch.float64), accumulate=True)
         per_class = hits.sum(0)[:K] / objects.sum(0)[:K]
         overall = float(hits.sum() / objects.sum()) if K else math.nan
-        lower = overall_lower = None
+        lower = overall_lower = replicates = None
         if bootstrap and K:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            weights = _multinomial_weights(bootstrap, n_img, gen)
-            h, o = weights @ hits[:, :K], weights @ objects[:, :K]  # (B, K)
+            hits, objects = hits[:, :K], objects[:, :K]
+            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // max(1, n_img * (K + 1)))
+            parts = []
+            for first in range(0, bootstrap, chunk):
+                weights = _multinomial_weights(min(chunk, bootstrap - first), n_img, gen)
+                parts.append(torch.stack([weights @ hits, weights @ objects]))  # (2, b, K)
+                progress.tick(first + parts[-1].shape[1], bootstrap, "bootstrap replicates")
+            h, o = torch.cat(parts, 1)
             rep = torch.where(o > 0, h / o.clamp_min(1), torch.zeros_like(h))  # a class drawn away: 0
-            lower = torch.quantile(rep, 1.0 - confidence, dim=0, interpolation="lower")
-            overall_lower = _percentiles(h.sum(1) / o.sum(1).clamp_min(1), confidence)[0]
+            overall_rep = h.sum(1) / o.sum(1).clamp_min(1)
+            # delete-one jackknife, exact and cheap for a ratio of sums: (H − h_i) / (O − o_i)
+            H, O = hits.sum(0), objects.sum(0)
+            jk = torch.where(O - objects > 0, (H - hits) / (O - objects).clamp_min(1), torch.zeros_like(hits))
+            jk_all = (H.sum() - hits.sum(1)) / (O.sum() - objects.sum(1)).clamp_min(1)
+            half = half_weights(n_img, gen)
+            hh, ho = half @ hits, half @ objects
+            sub = torch.where(ho > 0, hh / ho.clamp_min(1), torch.zeros_like(hh))
+            sub_all = hh.sum(1) / ho.sum(1).clamp_min(1)
+            lower = bootstrap_lower(rep, per_class, confidence, method, jk, sub)
+            overall_lower = float(bootstrap_lower(overall_rep, overall, confidence, method, jk_all, sub_all))
+            replicates = (rep, overall_rep, jk, jk_all, sub, sub_all)
         return GroupRecall(images=n_img, objects=int(objects.sum()), classes=classes.tolist(),
                            recall=per_class, class_objects=objects.sum(0)[:K].long().tolist(), overall=overall,
-                           lower=lower, overall_lower=overall_lower)
+                           lower=lower, overall_lower=overall_lower, method=method, replicates=replicates)
 
     def _image_mask(self, images: Tensor | None) -> Tensor:
         keep = torch.ones(self.n_images, dtype=torch.bool)
@@ -267,10 +305,13 @@ class GroupMAP:
     ap: Tensor  # (K, T) AP per class and IoU threshold, NaN for a class without ground truth
     map: float  # mean over classes with ground truth and thresholds; NaN when no class has any
     map50: float  # the same at the first threshold
-    lower: float | None
-    upper: float | None
-    replicates: Tensor | None
+    lower: float | None  # the bootstrap lower bound read by ``method``
+    upper: float | None  # the ``confidence`` percentile of the replicates
+    replicates: Tensor | None  # (B,) bootstrap mAPs
     thresholds: list[float]
+    jackknife: Tensor | None = None  # (G,) grouped-jackknife mAPs (BCa's acceleration)
+    halves: Tensor | None = None  # (H,) mAPs of random half-subsets of the images (the bias extrapolation)
+    method: str = DEFAULT_METHOD
 
     def class_ap(self) -> dict[int, float | None]:
         """Each class's AP averaged over the thresholds (None: no ground truth)."""
@@ -290,6 +331,10 @@ class GroupRecall:
     overall: float
     lower: Tensor | None  # (K,)
     overall_lower: float | None
+    method: str = DEFAULT_METHOD
+    #: (per-class replicates (B, K), overall (B,), per-class delete-one jackknife (n, K), overall (n,), per-class
+    #: half-subsets (H, K), overall (H,))
+    replicates: tuple[Tensor, ...] | None = None
 
 
 # ------------------------------------------------------------------------------------- matching kernels
@@ -325,25 +370,61 @@ def _match(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int) -> tuple[Tensor
     d_cell, d_rank, d_box, score, d_lab, d_img = (t[kept] for t in (d_cell, d_rank, d_box, score, d_lab, d_img))
     pd, pg = (int(v) for v in torch.stack([d_count.amax().clamp_max(max_det), g_count.amax()]).tolist())  # one read
     matched = torch.zeros(C, pd, T, dtype=torch.bool, device=dev)
-    if pd and pg:
-        d_row = torch.full((C, pd), -1, dtype=torch.int64, device=dev)
-        d_row[d_cell, d_rank] = torch.arange(d_cell.numel(), device=dev)
-        g_row = torch.full((C, pg), -1, dtype=torch.int64, device=dev)
-        g_row[g_cell, g_rank] = torch.arange(M, device=dev)
-        iou = cell_iou(d_box[d_row.clamp_min(0)], g_box[g_row.clamp_min(0)])  # (C, pd, pg), only within cells
-        iou = torch.where((d_row[:, :, None] >= 0) & (g_row[:, None, :] >= 0), iou, torch.full_like(iou, -1.0))
-        eff = thr.clamp_max(1 - 1e-10)[None, :, None]  # pycocotools: min(t, 1 - 1e-10)
-        taken = torch.zeros(C, T, pg, dtype=torch.bool, device=dev)
-        slots = torch.arange(pg, device=dev)
-        for r in range(pd):  # detections of one rank: at most one per cell, so no two compete for a box
-            row = iou[:, r, None, :]  # (C, 1, pg)
+    eff = thr.clamp_max(1 - 1e-10)[None, :, None]  # pycocotools: min(t, 1 - 1e-10)
+    # Cells padded to (cells, pg) in spans of at most MATCH_CHUNK_ELEMENTS (cells × pg × T) — one span unless the
+    # batch is huge (one image with 10^6 objects: no (C, pd, pg) float64 block of gigabytes); IoU one rank at a time.
+    spans = [(0, C, pd, pg)] if C * pg * max(T, 4) <= MATCH_CHUNK_ELEMENTS else \
+        _cell_spans(d_count.clamp_max(max_det).tolist(), g_count.tolist(), max(T, 4))
+    for c0, c1, sd, sg in spans:
+        if not (sd and sg):
+            continue
+        whole = c1 - c0 == C
+        dm = None if whole else (d_cell >= c0) & (d_cell < c1)
+        gm = None if whole else (g_cell >= c0) & (g_cell < c1)
+        d_row = torch.full((c1 - c0, sd), -1, dtype=torch.int64, device=dev)
+        if whole:
+            d_row[d_cell, d_rank] = torch.arange(d_cell.numel(), device=dev)
+        else:
+            d_row[d_cell[dm] - c0, d_rank[dm]] = dm.nonzero().squeeze(1)
+        g_row = torch.full((c1 - c0, sg), -1, dtype=torch.int64, device=dev)
+        if whole:
+            g_row[g_cell, g_rank] = torch.arange(M, device=dev)
+        else:
+            g_row[g_cell[gm] - c0, g_rank[gm]] = gm.nonzero().squeeze(1)
+        g_cells, g_ok = g_box[g_row.clamp_min(0)], (g_row >= 0)[:, None, :]  # (c, sg, 4), (c, 1, sg)
+        taken = torch.zeros(c1 - c0, T, sg, dtype=torch.bool, device=dev)
+        slots = torch.arange(sg, device=dev)
+        for r in range(sd):  # detections of one rank: at most one per cell, so no two compete for a box
+            d_r = d_row[:, r]
+            row = cell_iou(d_box[d_r.clamp_min(0)][:, None, :], g_cells)  # (c, 1, sg), only within cells
+            row = torch.where((d_r >= 0)[:, None, None] & g_ok, row, torch.full_like(row, -1.0))
             ok = (row >= eff) & ~taken
             best = torch.where(ok, row, torch.full_like(row, -2.0)).flip(-1).argmax(-1)  # last of equal IoUs
-            pick = pg - 1 - best  # (C, T)
+            pick = sg - 1 - best  # (c, T)
             hit = ok.any(-1)
             taken |= (slots == pick[..., None]) & hit[..., None]
-            matched[:, r] = hit
+            matched[c0:c1, r] = hit
     return score, d_lab, d_img, matched[d_cell, d_rank]
+
+
+#: Padded cells × objects × thresholds of one span of the matching (:func:`_match`): 64 MiB of float64 per step.
+MATCH_CHUNK_ELEMENTS = 1 << 23
+
+
+def _cell_spans(d_count: list[int], g_count: list[int], width: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive cells ``(c0, c1, ranks, objects)`` whose padded step ``(c1 - c0) × objects × width`` stays within
+    :data:`MATCH_CHUNK_ELEMENTS` (a cell larger than that alone is a span of its own): a huge cell is matched
+    without padding every other cell of the batch to its size."""
+    spans, c0, sd, sg = [], 0, 0, 0
+    for c, (nd, ng) in enumerate(zip(d_count, g_count)):
+        wider = max(sg, ng)
+        if c > c0 and (c - c0 + 1) * wider * width > MATCH_CHUNK_ELEMENTS:
+            spans.append((c0, c, sd, sg))
+            c0, sd, sg = c, nd, ng
+        else:
+            sd, sg = max(sd, nd), wider
+    spans.append((c0, len(g_count), sd, sg))
+    return spans
 
 
 def cell_iou(a: Tensor, b: Tensor) -> Tensor:

@@ -182,6 +182,7 @@ BAD_MARKERS = [
     ("min_detection_map(0.5, iou='0.3:0.9')", "argument iou*"),
     ("min_detection_map(0.5, bootstrap=5)", "argument bootstrap*outside*"),
     ("min_detection_map(0.5, statistic='median')", "argument statistic*'median' is not one of*"),
+    ("min_detection_recall(0.5, method='bootstrap')", "argument method*'bootstrap' is not one of*"),
     ("min_detection_map(0.5, by='')", "argument by*"),
     ("min_detection_map(0.5, confidence=1.0)", "argument confidence*strictly between*"),
     ("min_detection_recall(0.5, score_threshold=2.0)", "argument score_threshold*outside*"),
@@ -211,3 +212,33 @@ def test_xdist_gives_the_serial_numbers(gate_project: GateProject) -> None:
     project.run("--dnnsafety-json=evidence.json", "-n", "2", subprocess=True)
     parallel = {name: (g["status"], g["value"], g["bound"]) for name, g in gates_of(project).items()}
     assert len(serial) == 4 and parallel == serial
+
+
+def test_too_many_by_groups_are_refused_before_the_forward_pass(tmp_path: Path) -> None:
+    """Issue #29 §3: three conditions of 100 values make 10^6 groups; the gate is an error naming by= and the cap,
+    and the detector never runs (the check comes before the shared pass, as the performance gate's does)."""
+    import torch
+
+    from pytest_dnnsafety import Conditions, DetectionData, ScenarioTable
+    from pytest_dnnsafety.data.tasks import BoxSet
+    from pytest_dnnsafety.gates import evaluate, parse_marker
+    from pytest_dnnsafety.settings import SETTINGS, Settings
+
+    class Untouchable(torch.nn.Module):
+        def forward(self, x):  # pragma: no cover - must not run
+            raise AssertionError("the detector ran")
+
+    n = 4
+    values = [str(i) for i in range(100)]
+    table = ScenarioTable(Conditions({"a": values, "b": values, "c": values}),
+                          [{"a": "0", "b": "0", "c": "0"}] * n)
+    data = DetectionData(torch.rand(n, 3, 8, 8), BoxSet(torch.tensor([[1.0, 1.0, 5.0, 5.0]] * n),
+                                                         torch.zeros(n, dtype=torch.int64), torch.arange(n), n))
+    settings = Settings(cli={}, ini={SETTINGS["device"].ini: "cpu"}.get, env={}, ini_file=tmp_path / "pyproject.toml",
+                        invocation_dir=tmp_path)
+    spec = parse_marker("min_detection_map", (0.5,), {"by": ["a", "b", "c"]}, "t.py::t")
+    result = evaluate(spec, {"model": Untouchable(), "data": data, "scenarios": table}, settings, "t.py::t", {})
+    assert result.status == "error", result.summary
+    error = result.details["error"]
+    assert "by=['a', 'b', 'c'] gives 1,000,000 groups" in error and "Fix:" in error, error
+    assert "the detector ran" not in error

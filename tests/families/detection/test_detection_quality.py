@@ -90,7 +90,8 @@ def test_all_images_as_one_group_give_cocos_map() -> None:
     # half of the objects found at full precision: precision 1 at the 51 recall points 0.00 … 0.50, 0 after
     assert m.value == pytest.approx(51 / 101) and m.bound == m.details["map_groups"][0]["lower"]
     assert m.details["worst_group"] == "all" and m.details["by"] == [] and m.inconclusive is None
-    assert m.detail.startswith(f"worst group all: mAP@[.5:.95] {51 / 101:.3f}, 95% bootstrap lower bound")
+    assert m.detail.startswith(f"worst group all: mAP@[.5:.95] {51 / 101:.3f}, 95% wide (min of BCa and "
+                                f"bias-extrapolated, at 1 − α/5) bootstrap lower bound")
 
 
 def test_small_groups_are_inconclusive_unless_allowed_and_nothing_assessable_is_an_error() -> None:
