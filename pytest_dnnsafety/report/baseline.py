@@ -25,9 +25,25 @@ numbers are reported side by side but not judged, and the message names the role
 ``inputs-changed`` wins over ``regressed``. A digest that is unknown on either side (an object the
 plugin cannot fingerprint) is not a change; the comparison says so in ``unverified``.
 
-Statuses: ``ok`` (unchanged, or worse within the limit, or worse without a limit), ``improved``,
-``regressed``, ``missing`` (the baseline has no such gate, or no number to compare on either side),
-``inputs-changed``. Nothing here imports torch or pytest.
+**Comparable sets.** A gate whose value is measured on a set that can change from run to run declares
+it in its details as ``details["comparable_set"] = {"what": ..., "items": [...]}`` (e.g. the DeepInspect
+gates with ``unpredicted="exclude"``: the classes never predicted, left out of every pair). Numbers
+measured on different sets are not comparable, and a model that stops predicting some classes must never
+read as "improved": a change of the set is ``regressed``, whatever the numbers and the limit (a passed
+gate then fails); the comparison's ``comparable_set`` holds ``{what, baseline, current}``.
+
+**What cannot be verified is said so.** ``unverifiable`` — never ``ok`` nor ``improved`` — when the stored
+row does not record an input this gate read outside its subject (its ``inputs`` removed: the yardstick
+cannot be checked; the roles are in ``unverifiable``), when the stored number is not a finite number
+(``nan``, ``inf``, ``-inf``, null, or garbage: a bound that is not finite never falls back to the value),
+or when this gate declares a comparable set the stored row does not record. The message says what could
+not be checked and that ``max_drop``/``max_rise`` is not applied. A baseline file that holds one gate
+(node id, marker) twice is refused when it is loaded (a ConfigError naming the file and the gate).
+
+Statuses (:data:`BASELINE_STATUSES`): ``ok`` (unchanged, or worse within the limit, or worse without a
+limit), ``improved``, ``regressed``, ``missing`` (the baseline has no such gate, or this run's gate has no
+number), ``inputs-changed``, ``unverifiable``. ``inputs-changed`` wins over a changed comparable set,
+which wins over ``unverifiable``. Nothing here imports torch or pytest.
 """
 
 from __future__ import annotations
@@ -55,7 +71,7 @@ __all__ = [
 ]
 
 #: The statuses of a comparison.
-BASELINE_STATUSES = ("ok", "improved", "regressed", "missing", "inputs-changed")
+BASELINE_STATUSES = ("ok", "improved", "regressed", "missing", "inputs-changed", "unverifiable")
 
 #: Roles that hold what a gate judges when present: a change of their content is what a baseline measures.
 SUBJECT_ROLES = ("model",)
@@ -68,8 +84,13 @@ _FIX = ("Fix: point --dnnsafety-baseline (dnnsafety_baseline) at an evidence fil
         "--dnnsafety-save-baseline={path}.")
 
 
-def _fail(path: Path, problem: str) -> ConfigError:
-    return ConfigError(f"dnnsafety baseline {path}: {problem}. " + _FIX.format(path=path))
+_DUPLICATE_FIX = ("Fix: keep one row of each gate in the file, or save the baseline again "
+                  "(--dnnsafety-save-baseline={path}); a test that carries the same gate marker twice cannot be "
+                  "compared with a baseline: give each gate of a kind its own test (e.g. with parametrize).")
+
+
+def _fail(path: Path, problem: str, fix: str = _FIX) -> ConfigError:
+    return ConfigError(f"dnnsafety baseline {path}: {problem}. " + fix.format(path=path))
 
 
 def _check_evidence(data: Any) -> str | None:
@@ -109,8 +130,14 @@ class Baseline:
         if problem:
             raise _fail(Path(path), problem)
         gates: dict[tuple[str, str], dict[str, Any]] = {}
-        for row in evidence["gates"]:
-            gates.setdefault((row["nodeid"], row["marker"]), row)  # the first of duplicate markers
+        first: dict[tuple[str, str], int] = {}
+        for i, row in enumerate(evidence["gates"]):
+            key = (row["nodeid"], row["marker"])
+            if key in gates:  # which stored row a gate compares with would be a guess
+                raise _fail(Path(path), f"gate {row['marker']} of test {row['nodeid']} is stored twice (gates"
+                            f"[{first[key]}] and gates[{i}]), so which row it is compared with is ambiguous",
+                            fix=_DUPLICATE_FIX)
+            gates[key], first[key] = row, i
         return cls(Path(path), gates, dict(evidence.get("environment") or {}), evidence.get("created"))
 
     @classmethod
@@ -183,9 +210,16 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _compared(row: Mapping[str, Any]) -> float | None:
-    bound = _number(row.get("bound"))
-    return bound if bound is not None else _number(row.get("value"))
+def _compared(row: Mapping[str, Any]) -> tuple[float | None, str | None]:
+    """(the stored number a gate is compared with, None) or (None, why the row holds no such number).
+
+    The bound when the row has one (not null), else the value: a bound that is not a finite number never falls
+    back to the value (an estimate the gate did not compare)."""
+    key = "bound" if row.get("bound") is not None else "value"
+    number = _number(row.get(key))
+    if number is not None:
+        return number, None
+    return None, f"{key} {row.get(key)!r} (stored status {row.get('status', 'unknown')!r}) is not a finite number"
 
 
 def _short(digest: Any, n: int = 8) -> str:
@@ -215,6 +249,17 @@ def subject_roles(inputs: Mapping[str, Any]) -> set[str]:
     """The roles whose change a comparison measures: the model when the gate reads one, else all (its data)."""
     subject = {role for role in inputs if role in SUBJECT_ROLES}
     return subject or set(inputs)
+
+
+def _yardstick_roles(now: Mapping[str, Any], subject: set[str]) -> list[str]:
+    """The roles of this run whose record a comparison needs: every role outside the subject, and a subject role
+    whose plugin fixture read a yardstick setting's file (e.g. the declared condition domains)."""
+    roles = []
+    for role, record in now.items():
+        settings = ((record.get("origin") or {}).get("settings") or {}) if isinstance(record, dict) else {}
+        if role not in subject or any(setting in YARDSTICK_SETTINGS for setting in settings):
+            roles.append(role)
+    return sorted(roles)
 
 
 def _input_changes(now: Mapping[str, Any], then: Mapping[str, Any],
@@ -247,6 +292,33 @@ def _input_changes(now: Mapping[str, Any], then: Mapping[str, Any],
     return changes, unverified
 
 
+def _comparable_set(details: Any) -> tuple[str, list[str]] | None:
+    """A gate's declared comparable set (``details["comparable_set"]``: ``{"what", "items"}``), else None."""
+    declared = details.get("comparable_set") if isinstance(details, Mapping) else None
+    if not isinstance(declared, Mapping) or not isinstance(declared.get("items"), list):
+        return None
+    return str(declared.get("what") or "comparable set"), list(dict.fromkeys(map(str, declared["items"])))
+
+
+def _set_text(items: list[str], n: int = 12) -> str:
+    return ", ".join(items[:n]) + (f", … ({len(items) - n} more)" if len(items) > n else "") if items else "none"
+
+
+def _set_change(result: GateResult, stored: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the change of the gate's comparable set, None) when it changed; (None, why it cannot be checked) when the
+    stored row does not record it; (None, None) when unchanged or not declared by this gate."""
+    now = _comparable_set(result.details)
+    if now is None:
+        return None, None
+    what, items = now
+    then = _comparable_set(stored.get("details"))
+    if then is None:
+        return None, f"the baseline row does not record the {what} (now {_set_text(items)})"
+    if set(then[1]) == set(items):
+        return None, None
+    return {"what": what, "baseline": then[1], "current": items}, None
+
+
 def compare(result: GateResult, stored: dict[str, Any] | None, limit: float | None, *,
             subject: Iterable[str] | None = None) -> dict[str, Any]:
     """Compare one gate with its stored row; see the module docstring.
@@ -254,7 +326,9 @@ def compare(result: GateResult, stored: dict[str, Any] | None, limit: float | No
     Returns a JSON-able dict: ``status`` (one of :data:`BASELINE_STATUSES`), ``baseline_value`` and
     ``value`` (the compared numbers: bound if present, else value), ``change`` (``value −
     baseline_value``, signed, in the metric's units, or None), ``limit``, ``message`` (one human
-    line), and for ``inputs-changed`` the list ``changed`` of ``{role, [setting], baseline, current}``.
+    line), for ``inputs-changed`` the list ``changed`` of ``{role, [setting], baseline, current}``, for a
+    changed comparable set ``comparable_set`` (``{what, baseline, current}``), and for ``unverifiable`` the
+    list ``unverifiable`` of the roles the stored row does not record (when that is the reason).
     ``subject`` overrides which input roles are the thing judged (default :func:`subject_roles`).
     Call it after ``result.inputs`` is filled in.
     """
@@ -269,22 +343,22 @@ def compare(result: GateResult, stored: dict[str, Any] | None, limit: float | No
     if stored is None:
         out["message"] = "no such gate in the baseline (new)"
         return out
-    base = _compared(stored)
+    base, no_number = _compared(stored)
     out["baseline_value"] = base
-    if base is None:
-        out["message"] = f"the baseline has no number for this gate (it was {stored.get('status', 'not computed')})"
-        return out
-    if value is None:
-        out["message"] = f"no number to compare with the baseline's {format_number(base)} ({result.status})"
-        return out
-    change = value - base
-    tolerance = 1e-9 * max(1.0, abs(base), abs(value))
-    if abs(change) <= tolerance:  # float noise, not a change
-        change = 0.0
+    change = None
+    if base is not None and value is not None:
+        change = value - base
+        if abs(change) <= 1e-9 * max(1.0, abs(base), abs(value)):  # float noise, not a change
+            change = 0.0
     out["change"] = change
-    numbers = f"{format_number(base)} → {format_number(value)} ({format_change(change)}"
-    roles = set(subject) if subject is not None else subject_roles(result.inputs or {})
-    changes, unverified = _input_changes(result.inputs or {}, stored.get("inputs") or {}, roles)
+    numbers = f"{format_number(base)} → {format_number(value)} ({format_change(change)}"  # closed below
+    prefix = f"{numbers}): " if change is not None else ""
+    unapplied = f"{name} {limit:g} is not applied" if limit is not None else f"no {name} set"
+    now_inputs = result.inputs or {}
+    then_inputs = stored.get("inputs")
+    then_inputs = then_inputs if isinstance(then_inputs, dict) else {}
+    roles = set(subject) if subject is not None else subject_roles(now_inputs)
+    changes, unverified = _input_changes(now_inputs, then_inputs, roles)
     if unverified:
         out["unverified"] = unverified
     if changes:
@@ -293,9 +367,36 @@ def compare(result: GateResult, stored: dict[str, Any] | None, limit: float | No
         what = "; ".join(
             f"{c['role']}{' (' + c['setting'] + ' file)' if c.get('setting') else ''} "
             f"{_short(c['baseline'])} → {_short(c['current'])}" for c in changes)
-        out["message"] = f"{numbers}): inputs changed since the baseline, not compared: {what}"
+        out["message"] = f"{prefix}inputs changed since the baseline, not compared: {what}"
+        return out
+    set_change, set_unknown = _set_change(result, stored)
+    if set_change is not None:  # values on other classes (or sets) are not comparable: never "improved"
+        out["status"] = "regressed"
+        out["comparable_set"] = set_change
+        out["message"] = (f"{prefix}the {set_change['what']} changed since the baseline: now "
+                          f"{_set_text(set_change['current'])}, was {_set_text(set_change['baseline'])}; the value "
+                          "is measured on another set, so this is a regression whatever the number")
+        return out
+    missing_roles = [role for role in _yardstick_roles(now_inputs, roles) if role not in then_inputs]
+    why = None
+    if missing_roles:
+        out["unverifiable"] = missing_roles
+        why = (f"the baseline row does not record the input(s) {', '.join(missing_roles)} this gate read, so "
+               "whether they changed since the baseline cannot be verified")
+    elif no_number is not None:
+        why = f"the baseline row's {no_number}, so there is no number to compare with"
+    elif set_unknown is not None:
+        why = f"{set_unknown}, so whether it changed cannot be verified"
+    if why is not None:
+        out["status"] = "unverifiable"
+        out["message"] = (f"{prefix}{why}; {unapplied}. Fix: save the baseline again "
+                          "(--dnnsafety-save-baseline) from a run of this version, and do not edit its rows")
+        return out
+    if change is None:
+        out["message"] = f"no number to compare with the baseline's {format_number(base)} ({result.status})"
         return out
     worse = -change if result.op == ">=" else change
+    tolerance = 1e-9 * max(1.0, abs(base), abs(value))
     if limit is not None and worse > limit + tolerance:
         out["status"] = "regressed"
         out["message"] = f"{numbers}, {name} {limit:g}): regressed"

@@ -12,7 +12,8 @@ import re
 from typing import Any, Mapping
 
 __all__ = ["MAX_GRIDS", "MAX_HEATMAPS", "number", "pair_grid", "neuron_bars", "cells_scatter", "family_bars",
-           "verdict_bar", "fault_heatmap", "cd_diagram", "map_bars", "type2_heatmap"]
+           "verdict_bar", "fault_heatmap", "cd_diagram", "map_bars", "type2_heatmap", "worst_group_index",
+           "worst_pair_index"]
 
 #: Colours of the plots (the page's CSS uses the same palette).
 _GREEN, _AMBER, _RED, _GREY = "#2da44e", "#d4a72c", "#cf222e", "#afb8c1"
@@ -393,9 +394,63 @@ def cd_diagram(ranking: dict[str, Any], prefix: str) -> tuple[str, str]:
     return title, _svg(fig, prefix)
 
 
-def map_bars(rows: list[Any], prefix: str, confidence: float | None) -> tuple[str, str]:
+def _finite(value: Any) -> float | None:
+    got = number(value)
+    return got if got is not None and math.isfinite(got) else None
+
+
+def worst_group_index(details: Mapping[str, Any]) -> int:
+    """The index in ``details["map_groups"]`` of the worst group, as the gate chose it: the group that
+    ``details["worst_group"]`` names (the one the gate's summary names), else the gate's own rule — the smallest
+    gated number (``lower``, or ``map`` with ``statistic="estimate"``; a missing lower bound falls back to the mAP),
+    ties broken by the smaller mAP, then by the groups' order. The card text and the plot caption both come from
+    this choice, so they never name different groups on a tie."""
+    rows = details.get("map_groups")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("map_groups is not a non-empty list of groups")
+    named = details.get("worst_group")
+    if isinstance(named, str):
+        for i, row in enumerate(rows):
+            if isinstance(row, Mapping) and row.get("group") == named and _finite(row.get("map")) is not None:
+                return i
+    key = "map" if details.get("statistic") == "estimate" else "lower"
+
+    def rank(i: int) -> tuple[float, float, int]:
+        row = rows[i] if isinstance(rows[i], Mapping) else {}
+        point = _finite(row.get("map"))
+        gated = _finite(row.get(key))
+        gated = point if gated is None else gated
+        return (math.inf if gated is None else gated, math.inf if point is None else point, i)
+
+    return min(range(len(rows)), key=rank)
+
+
+def worst_pair_index(details: Mapping[str, Any], matrix: Any, classes: list[Any]) -> tuple[int, int] | None:
+    """The (row, column) of the worst type-2 pair, as the gate chose it: the pair ``details["type2_worst"]`` names
+    (the largest value over the pairs with ``min_support``), else the first largest defined cell of the upper
+    triangle (the gate's order); None when no cell is defined."""
+    import numpy as np
+
+    worst = details.get("type2_worst")
+    pair = worst.get("pair") if isinstance(worst, Mapping) else None
+    names = [str(c) for c in classes]
+    if isinstance(pair, list) and len(pair) == 2 and all(str(c) in names for c in pair):
+        i, j = names.index(str(pair[0])), names.index(str(pair[1]))
+        if math.isfinite(matrix[i, j]):
+            return i, j
+    k = matrix.shape[0]
+    iu = np.triu_indices(k, 1)
+    values = matrix[iu]
+    if not np.isfinite(values).any():
+        return None
+    best = int(np.nanargmax(np.where(np.isfinite(values), values, -np.inf)))
+    return int(iu[0][best]), int(iu[1][best])
+
+
+def map_bars(rows: list[Any], prefix: str, confidence: float | None, worst: int | None = None) -> tuple[str, str]:
     """min_detection_map: one bar per scenario group (point mAP), the bootstrap interval as an error bar and
-    its lower bound (the gated number) as a marker; the worst group's bar is red."""
+    its lower bound (the gated number) as a marker; the worst group's bar is red (``worst``: its index, by
+    default :func:`worst_group_index` of the rows alone)."""
     import numpy as np
 
     if not rows or not all(isinstance(r, dict) for r in rows):
@@ -406,8 +461,7 @@ def map_bars(rows: list[Any], prefix: str, confidence: float | None) -> tuple[st
     upper = np.asarray([number(r.get("upper")) if number(r.get("upper")) is not None else np.nan for r in rows])
     if not np.isfinite(point).any():
         raise ValueError("no group has a finite mAP")
-    ranked = np.where(np.isfinite(lower), lower, point)
-    worst = int(np.nanargmin(ranked))
+    worst = worst_group_index({"map_groups": rows}) if worst is None else worst
     fig = _figure(min(2.6 + 0.6 * len(rows), 11), 3.0)
     ax = fig.subplots()
     x = np.arange(len(rows))
@@ -432,8 +486,10 @@ def map_bars(rows: list[Any], prefix: str, confidence: float | None) -> tuple[st
     return title, _svg(fig, prefix)
 
 
-def type2_heatmap(matrix: list[Any], classes: list[Any], prefix: str) -> tuple[str, str]:
-    """max_class_confusion (multi-label ground truth): the K × K type-2 pair matrix, undefined pairs grey."""
+def type2_heatmap(matrix: list[Any], classes: list[Any], prefix: str,
+                  details: Mapping[str, Any] | None = None) -> tuple[str, str]:
+    """max_class_confusion (multi-label ground truth): the K × K type-2 pair matrix, undefined pairs grey; the
+    caption names the gate's worst pair (:func:`worst_pair_index` of the gate's ``details``)."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
@@ -463,8 +519,9 @@ def type2_heatmap(matrix: list[Any], classes: list[Any], prefix: str) -> tuple[s
     fig.colorbar(mesh, ax=ax, shrink=0.9, label="type-2 confusion (higher is worse)")
     finite = np.isfinite(grid)
     title = f"type-2 confusion per class pair ({k} classes, {int(finite.sum())} defined cells)"
-    if finite.any():
-        i, j = np.unravel_index(int(np.nanargmax(grid)), grid.shape)
+    pick = worst_pair_index(details or {}, grid, classes)
+    if pick is not None:
+        i, j = pick
         title += f"; worst pair {classes[i]} / {classes[j]}, {grid[i, j]:.3f}"
     return title, _svg(fig, prefix)
 

@@ -50,6 +50,8 @@ def _change(comparison: Mapping[str, Any] | None) -> str:
     status = comparison.get("status")
     if status == "inputs-changed":
         return "inputs changed, not compared"
+    if status == "unverifiable":
+        return "unverifiable, not compared"
     if status == "missing":
         return "new" if comparison.get("baseline_value") is None else "-"
     text = format_change(comparison.get("change"))
@@ -89,7 +91,7 @@ def step_summary(rows: Sequence[GateResult], env: Mapping[str, Any]) -> str:
     for r, comparison in zip(rows, comparisons):
         if r.status != "passed" and r.summary:
             notes.append(f"- {_code(r.nodeid, False)}: {_text(r.summary)}")
-        if isinstance(comparison, dict) and comparison.get("status") in ("regressed", "inputs-changed"):
+        if isinstance(comparison, dict) and comparison.get("status") in ("regressed", "inputs-changed", "unverifiable"):
             notes.append(f"- {_code(r.nodeid, False)} baseline: {_text(comparison.get('message', ''))}")
     if notes:
         lines += ["", "<details><summary>Details</summary>", "", *notes, "", "</details>"]

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from pytest_dnnsafety.report.drawings import (  # the figures themselves
     MAX_GRIDS, MAX_HEATMAPS, cd_diagram, cells_scatter, family_bars, fault_heatmap, map_bars, neuron_bars, number, pair_grid, type2_heatmap, verdict_bar,
+    worst_group_index,
 )
 
 __all__ = ["Drawing", "PlotFn", "BUILTIN_PLOTS", "plot_pair_grids", "plot_per_neuron_coverage", "plot_cells",
@@ -105,14 +106,14 @@ def plot_map_groups(details: Mapping[str, Any], prefix: str) -> list[Drawing | s
     if not isinstance(details.get("map_groups"), list):
         return []
     level = number(details.get("confidence"))
-    return [lambda: map_bars(details["map_groups"], f"{prefix}m", level)]
+    return [lambda: map_bars(details["map_groups"], f"{prefix}m", level, worst_group_index(details))]
 
 
 def plot_type2_matrix(details: Mapping[str, Any], prefix: str) -> list[Drawing | str]:
     """Multi-label class confusion (``type2_matrix`` with ``classes``): the K × K pair matrix."""
     if not (isinstance(details.get("type2_matrix"), list) and isinstance(details.get("classes"), list)):
         return []
-    return [lambda: type2_heatmap(details["type2_matrix"], details["classes"], f"{prefix}t")]
+    return [lambda: type2_heatmap(details["type2_matrix"], details["classes"], f"{prefix}t", details)]
 
 
 #: Every plot defined here, in the order a card shows them: what a page rendered without the table of a

@@ -48,6 +48,8 @@ def change_cell(comparison: dict[str, Any] | None) -> str:
     status = comparison.get("status")
     if status == "inputs-changed":
         return "inputs≠"
+    if status == "unverifiable":
+        return "unverifiable"
     if status == "missing":
         return "new" if comparison.get("baseline_value") is None else "-"
     text = format_change(comparison.get("change"))
@@ -55,11 +57,11 @@ def change_cell(comparison: dict[str, Any] | None) -> str:
 
 
 def baseline_notes(results: Sequence[GateResult]) -> list[str]:
-    """One line per gate whose baseline comparison needs a reader's attention (regressed, inputs changed)."""
+    """One line per gate whose baseline comparison needs a reader's attention (regressed, inputs changed, unverifiable)."""
     lines = []
     for r in results:
         comparison = _baseline(r)
-        if comparison and comparison.get("status") in ("regressed", "inputs-changed"):
+        if comparison and comparison.get("status") in ("regressed", "inputs-changed", "unverifiable"):
             lines.append(f"  {r.nodeid} [{r.marker}] baseline: {comparison.get('message', '')}")
     return lines
 

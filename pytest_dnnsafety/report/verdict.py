@@ -59,7 +59,9 @@ def judge(result: GateResult, limit: float | None, settings: Any, cache: dict[st
 
     ``limit`` is the marker's ``max_drop``/``max_rise``. A regression beyond it fails a gate that had
     passed; ``missing`` (no stored result) and ``inputs-changed`` (the gate read other inputs than the
-    stored run) are recorded in ``result.baseline`` and never fail the gate. A baseline that cannot be
+    stored run) are recorded in ``result.baseline`` and never fail the gate; ``unverifiable`` (a stored row without
+    its inputs, its number or its comparable set) is recorded, and makes a passed gate an error when the marker set a
+    limit, which could not be checked. A baseline that cannot be
     read or compared makes the gate an error: the user asked for a comparison that could not be made.
     Nothing happens without a ``baseline`` setting.
     """
@@ -81,6 +83,12 @@ def judge(result: GateResult, limit: float | None, settings: Any, cache: dict[st
         result.summary += f"; baseline: cannot compare: {message}"
         return
     result.baseline = dict(comparison)
+    if comparison.get("status") == "unverifiable" and limit is not None and result.status == "passed":
+        # the marker asked for a regression check the stored row cannot support: no pass on an unchecked limit
+        result.status, result.passed = "error", None
+        result.details["baseline_error"] = str(comparison.get("message", ""))
+        result.summary += f"; baseline: cannot compare: {comparison.get('message', '')}"
+        return
     if comparison.get("status") == "regressed" and result.status == "passed":
         result.status, result.passed = "failed", False
         result.summary += f"; regression: {comparison.get('message', '')}"

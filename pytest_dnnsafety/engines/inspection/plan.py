@@ -29,7 +29,12 @@ from typing import Any, ClassVar
 
 from pytest_dnnsafety.errors import ConfigError, MetricError
 
-__all__ = ["InspectionPlan", "SingleLabelInspection", "MultiLabelInspection", "check_layer"]
+__all__ = ["InspectionPlan", "SingleLabelInspection", "MultiLabelInspection", "check_layer", "EXCLUDED_SET"]
+
+#: What the gates' ``details["comparable_set"]`` holds: the classes left out of every pair. A baseline comparison
+#: (:func:`pytest_dnnsafety.report.baseline.compare`) flags a change of this set as a regression: values measured
+#: on other classes are not comparable, and fewer predicted classes must never read as "improved".
+EXCLUDED_SET = "classes never predicted (excluded)"
 
 
 def check_layer(model: Any, layer: str, marker: str) -> None:
@@ -162,7 +167,28 @@ class InspectionPlan(ABC):
 
         opts = self.options
         return {"layer": opts["layer"], "reduce": opts["reduce"], **activations_from(model),
-                "unpredicted_policy": opts["unpredicted"], **res.to_details(top=opts["top"], by=by)}
+                "unpredicted_policy": opts["unpredicted"], **res.to_details(top=opts["top"], by=by),
+                "comparable_set": {"what": EXCLUDED_SET, "items": [res.classes[i] for i in res.unpredicted]}}
+
+    def _excluded_too_many(self, res: Any) -> str | None:
+        """Why the gate is inconclusive when ``unpredicted='exclude'`` left out more than half of the classes."""
+        k, left = res.num_classes, len(res.unpredicted)
+        if 2 * left <= k:
+            return None
+        names = [res.classes[i] for i in res.unpredicted]
+        shown = ", ".join(names[:20]) + (f", … ({left - 20} more)" if left > 20 else "")
+        return (f"{self.marker}: unpredicted='exclude' left out {left} of {k} classes, never predicted on the "
+                f"{res.n_inputs} inputs of fixture {self.data!r}: {shown}. A model that predicts only {k - left} of "
+                f"its {k} classes (collapsed, untrained or broken) gives no signal, and the pairs that remain say "
+                "nothing about its confusion or bias. Fix: check the model and give data with inputs of every "
+                "class; unpredicted='exclude' is for a few classes the data rarely shows (at most half of them)")
+
+    def _no_signal(self, res: Any, details: dict[str, Any]) -> dict[str, Any]:
+        k = res.num_classes
+        detail = (f"layer {self.options['layer']}: {k - len(res.unpredicted)} of {k} classes predicted on "
+                  f"{res.n_inputs} inputs, the rest excluded (unpredicted='exclude'): no signal")
+        return {"value": float("nan"), "detail": detail, "details": details,
+                "inconclusive": self._excluded_too_many(res)}
 
     def _truth_details(self, res: Any, truth: Any) -> dict[str, Any]:
         """The ground truth for the details: the pair matrix (K ≤ 64), its worst supported pair, coincidence."""
@@ -189,6 +215,8 @@ class InspectionPlan(ABC):
         stat, layer = self.options["statistic"], self.options["layer"]
         details = {"statistic": stat, "task": self.task, **self._base_details(res, "confusion", model),
                    **(self._truth_details(res, truth) if truth is not None else {})}
+        if self._excluded_too_many(res):
+            return self._no_signal(res, details)
         if stat in ("type1", "type2"):
             return self._ground_truth_report(res, truth, details)
         value = res.max_confusion() if stat == "confusion" else res.confused_share()
@@ -221,8 +249,10 @@ class InspectionPlan(ABC):
     def bias_report(self, res: Any, model: Any) -> dict[str, Any]:
         """``value``, ``detail``, ``details`` and ``inconclusive`` of ``max_class_bias``: the largest avg_bias;
         inconclusive when every avg_bias is 0 because no triplet counted (no evidence, not no bias)."""
-        value = res.max_bias()  # raises InspectionError (naming the fix) with fewer than three classes
         details = self._base_details(res, "bias", model)
+        if self._excluded_too_many(res):
+            return self._no_signal(res, details)
+        value = res.max_bias()  # raises InspectionError (naming the fix) with fewer than three classes
         detail = f"layer {self.options['layer']}, {res.detail(by='bias')}"
         if res.bias_no_signal is not None:
             return {"value": float("nan"), "detail": detail, "details": details, "inconclusive": res.bias_no_signal}

@@ -19,7 +19,7 @@ no pytest import.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +61,33 @@ def _detection_table(bench: MonitorBench, name: str, sets: Sequence[FaultSet], m
     return monitor, rows, values
 
 
+def _check_compare(bench: MonitorBench, name: str, compare: Sequence[str], n_sets: int | None = None) -> None:
+    """ConfigError naming the fix unless ``compare`` names monitors of the bank besides ``name`` and there are two or
+    more fault sets: called before any monitor is fitted or any data scored (the gate checks the first and the
+    number of sets at collection already; the bank's names are known only once its fixture ran)."""
+    others = [n for n in dict.fromkeys(compare) if n != name]
+    role = bench.roles["monitors"]
+    if not others:
+        raise ConfigError(f"{bench.marker}: compare= names no monitor besides {name!r}. Fix: list other monitors of "
+                          f"the {role!r} fixture, e.g. compare=['msp', 'odin'].")
+    bank = bench.fx["monitors"]
+    unknown = [n for n in others if isinstance(bank, Mapping) and n not in bank]
+    if unknown:
+        raise ConfigError(f"{bench.marker}: compare= names {', '.join(map(repr, unknown))}, which "
+                          f"{'is' if len(unknown) == 1 else 'are'} not in fixture {role!r} (it has "
+                          f"{', '.join(map(repr, bank)) or 'none'}). Fix: name monitors of that fixture, or add them "
+                          "to it in conftest.py.")
+    for other in others:
+        bench.monitor(other)  # a ConfigError when the bank's entry is not a monitor
+    if n_sets is not None and n_sets < 2:
+        raise ConfigError(f"{bench.marker}: compare= ranks monitors over fault sets, but only one set is requested. "
+                          "Fix: request at least two (several families or severities).")
+
+
 def _ranking(bench: MonitorBench, sets: Sequence[FaultSet], name: str, values: list[float], *, metric: str,
              compare: Sequence[str], alpha: float) -> dict[str, Any]:
     """``name`` ranked against the ``compare`` monitors by ``metric`` over the fault sets (Friedman, Nemenyi CD)."""
-    names = [name] + [n for n in dict.fromkeys(compare) if n != name]
-    if len(names) < 2:
-        raise ConfigError(f"{bench.marker}: compare= names no monitor besides {name!r}. Fix: list other monitors of "
-                          f"the {bench.roles['monitors']!r} fixture, e.g. compare=['msp', 'odin'].")
-    if len(sets) < 2:
-        raise ConfigError(f"{bench.marker}: compare= ranks monitors over fault sets, but only one set is requested. "
-                          "Fix: request at least two (several families or severities).")
+    names = [name] + [n for n in dict.fromkeys(compare) if n != name]  # checked by detection() before the work
     columns = [values] + [_detection_table(bench, other, sets, metric)[2] for other in names[1:]]
     table = [[col[i] for col in columns] for i in range(len(sets))]
     result = friedman(table, higher_is_better=True)
@@ -152,7 +169,11 @@ class DetectionResult:
 def detection(bench: MonitorBench, name: str, *, faults: Any, severity: Any, clip: Any, metric: str,
               aggregate: str, compare: Sequence[str], alpha: float) -> DetectionResult:
     """Detection (OOD positive) by monitor ``name`` of each fault set against the in-distribution data."""
+    if compare:
+        _check_compare(bench, name, compare)  # before any work: the sets are lazy streams
     sets = bench.sets(faults, severity, clip)
+    if compare:
+        _check_compare(bench, name, compare, len(sets))
     monitor, rows, values = _detection_table(bench, name, sets, metric)
     result = DetectionResult(name, metric, aggregate, rows, values)
     if result.undefined:
