@@ -112,7 +112,8 @@ MAX_WEIGHTED_CONFUSION = GateDef(
     fixtures={"model": "model", "data": "dataset", "severity_matrix": "severity_matrix"},
     conditional={"severity_matrix": "!severity"},
     measure=_measure_weighted_confusion,
-    shards=True,  # confusion counts: each rank its share of the batches, then sum
+    shards=True,
+    signal=("model", "data"),  # a collapsed model confuses only the pairs the severity may not weigh  # confusion counts: each rank its share of the batches, then sum
     doc="fail if the expected severity per input Σ W∘C / N (its upper confidence bound by default) exceeds "
         "`threshold` (Cheng et al. 2018, §II-H, Table I)",
 )

@@ -130,6 +130,16 @@ class GateDef:
     #: data have another task (setting ``task``, marker keyword ``task=``, or inferred from the data) is an
     #: error naming the task and the fix, before ``measure`` runs (``ctx.task`` holds the resolved task)
     tasks: tuple[str, ...] = ("single-label",)
+    #: ``(model role, data role)``: a *relative* gate (it compares the model with itself), which needs a model that
+    #: gives a signal on that data — a classifier shown better than chance, a detector with a detection, a
+    #: multi-label model that predicts a class (:mod:`~pytest_dnnsafety.engines.core.signal`). Checked on the
+    #: session's shared pass before ``measure`` runs; without a signal the gate is inconclusive, naming the numbers.
+    #: None: not checked
+    signal: tuple[str, str] | None = None
+    #: ``together(options)`` -> None, or ``(keyword, problem, fix)``: a check of the validated keywords *together*
+    #: (each :class:`Param` checks its own value), run at collection so that a combination that cannot work is a
+    #: collection error naming the marker, the keyword and the fix, before any work
+    together: Callable[[Mapping[str, Any]], tuple[str, str, str] | None] | None = None
 
     @property
     def regression_keyword(self) -> str:
@@ -192,6 +202,11 @@ class GateDef:
         for role, setting in self.optional.items():
             if setting not in SETTINGS:
                 out.append(f"optional role {role!r} names {setting!r}, which is not a setting")
+        if self.signal is not None and (not isinstance(self.signal, tuple) or len(self.signal) != 2
+                                        or not isinstance(self.fixtures, Mapping)
+                                        or not all(role in self.fixtures for role in self.signal)):
+            out.append(f"signal {self.signal!r} must be None or (model role, data role), roles of the fixtures "
+                       f"{sorted(self.fixtures)}")
         if self.layers is not None and not callable(self.layers):
             out.append(f"layers must be None or callable as layers(options) -> layer names, got {self.layers!r}")
         for flag in ("timed", "shards"):
@@ -546,6 +561,14 @@ def parse_marker(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], wh
     # An optional role named by keyword is requested; otherwise the plugin decides per test
     # (resolve_optional), once it knows the settings and the fixtures visible to the test.
     optional = {role: fixtures.pop(role) for role in gate.optional if role not in kwargs and role in fixtures}
+    try:
+        combined = gate.together(options) if gate.together is not None else None
+    except Exception as exc:  # noqa: BLE001 - a user gate's function: named in the error, never INTERNALERROR
+        raise MarkerError(f"{where}: @pytest.mark.{name}: gate {gate.marker!r}: its together(options) raised "
+                          f"{type(exc).__name__}: {exc}. Fix the GateDef: together(options) returns None or "
+                          "(keyword, problem, fix)") from None
+    if combined is not None:
+        raise fail(*combined)
     try:
         layers = gate.read_layers(options)
     except GateDefinitionError as exc:

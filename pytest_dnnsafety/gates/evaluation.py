@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping
 
 from pytest_dnnsafety.runtime import progress
 from pytest_dnnsafety.settings import Settings
-from pytest_dnnsafety.errors import DnnSafetyError, MetricError
-from pytest_dnnsafety.results import ESTIMATE_SUFFIX, GateResult, format_numbers
+from pytest_dnnsafety.errors import ConfigError, DnnSafetyError, MarkerError, MetricError
+from pytest_dnnsafety.results import ESTIMATE_SUFFIX, GateResult, Measurement, format_numbers
 from pytest_dnnsafety.gates.core import COMMON_SETTINGS, GateContext, GateSpec
 
 __all__ = ["ImportClock", "context_for", "evaluate", "progress_writer"]
@@ -98,12 +98,16 @@ def context_for(spec: GateSpec, settings: Settings) -> GateContext:
 def resolve_task(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> str:
     """The model's task for this gate: the marker keyword or setting, else inferred from its data; refused when the
     gate does not support it (a :class:`~pytest_dnnsafety.errors.DataError` naming the task and the fix)."""
-    from pytest_dnnsafety.data.tasks import SINGLE, infer_task, unsupported
+    from pytest_dnnsafety.data.tasks import SINGLE, infer_task, task_mismatch, unsupported
 
     setting = ctx.task_setting
     gate = spec.definition
     if setting is not None and setting.value != "auto":
         task, source = setting.value, f"set by {setting.source}"
+        mismatch = task_mismatch(task, source, fixture_values["data"], spec.fixtures.get("data", "data")) \
+            if "data" in fixture_values and task in gate.tasks else None
+        if mismatch is not None:
+            raise mismatch
     else:
         inferred = infer_task(fixture_values["data"]) if "data" in fixture_values else None
         task = inferred or SINGLE
@@ -149,7 +153,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
             # An engine's warning (e.g. eps >= r-hat) becomes part of the evidence, not a crash under -W error.
             warnings.simplefilter("always")
             with progress.active(label=f"{spec.marker} {nodeid}", write=writer), clock:
-                measurement = gate.measure(spec, fixture_values, ctx)
+                measurement = _measured(gate, spec, fixture_values, ctx)
         compared = measurement.bound if measurement.bound is not None else measurement.value
         judged = measurement.inconclusive is None and measurement.contradiction is None
         if judged:  # a NaN value beside a finite bound is no measurement either (issue #19 §6)
@@ -208,6 +212,37 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _measured(gate: Any, spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """``gate.measure``, or — a relative gate on a model without signal — inconclusive with the reason. The measure
+    still runs then, so that a configuration mistake (a :class:`ConfigError`: an unknown layer, an option the model's
+    task does not take) is named as the error it is rather than hidden behind the model's lack of signal; anything
+    else it raises or returns is moot on such a model."""
+    without = _without_signal(spec, fixture_values, ctx)
+    if without is None:
+        return gate.measure(spec, fixture_values, ctx)
+    try:
+        gate.measure(spec, fixture_values, ctx)
+    except (ConfigError, MarkerError):
+        raise
+    except Exception:  # noqa: BLE001 - an engine's complaint about the broken model: the no-signal verdict says more
+        pass
+    return without
+
+
+def _without_signal(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> Measurement | None:
+    """A relative gate (:attr:`GateDef.signal <pytest_dnnsafety.gates.core.GateDef.signal>`) on a model that gives no
+    signal on its data: inconclusive with the reason and the numbers, before ``measure`` does any work."""
+    if spec.definition.signal is None:
+        return None
+    from pytest_dnnsafety.gates.shared import no_signal
+
+    found = no_signal(spec, fixture_values, ctx)
+    if found is None:
+        return None
+    why, numbers = found
+    return Measurement(value=float("nan"), details={"no_signal": numbers}, inconclusive=why)
 
 
 def _finite(number: Any) -> float | None:

@@ -46,7 +46,9 @@ not gated). :mod:`pytest_dnnsafety.engines.inspection.multilabel` has the defini
 
 **A class never predicted** on the data has no activation profile: by default (``unpredicted="error"``)
 the gate is an error naming the class, because such a class is a defect the pairwise metrics would
-hide; ``unpredicted="exclude"`` leaves it out of every pair and names it in the details and summary.
+hide; ``unpredicted="exclude"`` leaves it out of every pair and names it in the details and summary. Excluding
+more than half of the classes (a collapsed model) is inconclusive, naming them; the excluded classes are the
+gates' ``details["comparable_set"]``, which a baseline comparison flags as a regression when it changes.
 
 **Details**: the worst pairs by class name (``classes=[...]`` names the outputs, else ``"0" … "K-1"``),
 the NAPVD matrix when K ≤ 64, and with labelled data the ground truth (type-1 confusion, ground-truth
@@ -129,7 +131,8 @@ _TOP_SHARE = Param("top_share", (int, float), 0.01, _share, "use a share in (0, 
 _CLASSES = Param("classes", (list, tuple, type(None)), None, class_names,
                  "list the class names in the model's output order, e.g. classes=['cat', 'dog', 'car']")
 _UNPREDICTED = Param("unpredicted", (str,), "error", one_of("error", "exclude"),
-                     "use 'error' (a class never predicted fails the gate as an error) or 'exclude'")
+                     "use 'error' (a class never predicted fails the gate as an error) or 'exclude' (left out of "
+                     "every pair; leaving out more than half of the classes is inconclusive)")
 _TOP = Param("top", (int,), 10, in_range(0, 10**6), "give how many worst pairs the details list, e.g. top=10")
 
 
@@ -177,6 +180,7 @@ MAX_CLASS_CONFUSION = GateDef(
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_class_confusion,
     tasks=("single-label", "multi-label"),
+    signal=("model", "data"),  # relative: classes against classes of a model that gives a signal
     layers=lambda options: (options["layer"],),  # the shared forward pass captures it
     shards=True,  # per-class counts: each rank its share of the batches, then sum
     doc="fail if two classes are too alike in `layer`: the largest 1 − NAPVD over class pairs (or, with "
@@ -196,6 +200,7 @@ MAX_CLASS_BIAS = GateDef(
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_class_bias,
     tasks=("single-label", "multi-label"),
+    signal=("model", "data"),  # relative: classes against classes of a model that gives a signal
     layers=lambda options: (options["layer"],),  # the shared forward pass captures it
     shards=True,  # per-class counts: each rank its share of the batches, then sum
     doc="fail if the largest avg_bias over class pairs in `layer` — how differently the model places two "

@@ -19,13 +19,14 @@ Detectors (``task='detection'``): per ground-truth object, the heat map is the o
 overlap the object's box (or its own mask when ``masks`` holds one ``(M, H, W)`` mask per object); see
 :mod:`pytest_dnnsafety.engines.interpretability.detector`. An object the detector misses on the clean image
 counts with every position hot (eq. 5: it lowers M_interpret and raises M_OccSen), and with M_OccSen 0 for
-``min_occlusion_sensitivity``: a detector that finds nothing fails every occlusion gate. The masks
-fixture is optional for detectors (the boxes stand in).
+``min_occlusion_sensitivity``. The masks fixture is optional for detectors (the boxes stand in).
 
-No signal, no pass: a classifier's gate is *inconclusive* when the model's probability of the original class is
-below ``rho`` on every input before any occlusion (every position is hot: the value is the masks'
-geometry), and ``min_interpretation_precision`` also when, under ``no_hot='one'``/``'zero'``, no input
-has a hot position (every input scores the convention).
+No signal, no pass: the gates are relative (``GateDef.signal``): a classifier not shown better than chance, or a
+detector without a detection scoring 0.5, makes them inconclusive before anything is occluded
+(:mod:`pytest_dnnsafety.engines.core.signal`). A gate is also *inconclusive* when the model's probability of the
+original class (a detector's matched score) is below ``rho`` on every input (object) before any occlusion (every
+position is hot: the value is the masks' or boxes' geometry), and ``min_interpretation_precision`` also when, under
+``no_hot='one'``/``'zero'``, no input has a hot position (every input scores the convention).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ MIN_INTERPRETATION_PRECISION = GateDef(
     optional=_OPTIONAL,
     tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
+    signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
     doc="fail unless the share of hot occlusion positions (probability of the original class below rho) that "
         "overlap the object's mask reaches `threshold` (M_interpret, Cheng et al. 2018, eq. 5)",
@@ -163,6 +165,7 @@ MIN_OCCLUSION_SENSITIVITY = GateDef(
     optional=_OPTIONAL,
     tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
+    signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
     doc="fail unless at least `threshold` of the occlusion positions on the object are hot: the object "
         "matters to the prediction (M_OccSen, Cheng et al. 2018, §II-G)",
@@ -178,6 +181,7 @@ MAX_OCCLUSION_SENSITIVITY = GateDef(
     optional=_OPTIONAL,
     tasks=_TASKS,
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
+    signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
     doc="fail if more than `threshold` of the occlusion positions on the object are hot: the prediction "
         "breaks under small partial occlusions (M_OccSen, Cheng et al. 2018, §II-G)",

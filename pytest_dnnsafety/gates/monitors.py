@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "MIN_MONITOR_DETECTION", "MAX_MONITOR_SELECTIVE_RISK", "MAX_MONITOR_OVERHEAD", "FAULT_GROUP_NAMES",
-    "DETECTION_METRICS",
+    "DETECTION_METRICS", "SEVERITY_FREE_NAMES",
     "pytest_dnnsafety_register_gates",
 ]
 
@@ -65,6 +65,9 @@ FAULT_GROUP_NAMES = {
     "anomaly": ("black_frame", "zeroed_rows", "copied_rows", "shifted_rows"),
     "adversarial": ("fgsm", "pgd"),
 }
+
+#: The families that have one fault set whatever the severities (checked against the engine's by a test).
+SEVERITY_FREE_NAMES = ("black_frame",)
 
 
 # ------------------------------------------------------------------------------------- measurements
@@ -142,6 +145,36 @@ def _names_spec(value: Any) -> str | None:
     return None
 
 
+def _fault_set_names(faults: Any, severity: Any) -> list[str]:
+    """The fault sets the (validated) ``faults`` and ``severity`` give, named as the engine names them."""
+    names = [faults] if isinstance(faults, str) else list(faults)
+    families = dict.fromkeys(f for name in names for f in FAULT_GROUP_NAMES.get(name, (name,)))
+    levels = dict.fromkeys([severity] if isinstance(severity, int) else severity)
+    return [f if f == "novel" or f in SEVERITY_FREE_NAMES else f"{f} s{level}"
+            for f in families for level in (levels if f != "novel" and f not in SEVERITY_FREE_NAMES else [None])]
+
+
+def _compare_problem(options: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """("compare", problem, fix) of ``compare=`` given the other keywords, or None (:attr:`GateDef.together`, checked
+    at collection): what the ranking needs that the marker alone decides — a monitor besides the gate's own and two
+    or more fault sets."""
+    compare, monitor = list(options.get("compare") or ()), options["monitor"]
+    if not compare:
+        return None
+    if not [name for name in compare if name != monitor]:
+        return ("compare", f"compare={compare!r} names no monitor besides monitor={monitor!r}",
+                "list other monitors of the `monitors` fixture to rank against, e.g. compare=['msp', 'odin'], or "
+                "leave compare= out")
+    sets = _fault_set_names(options["faults"], options["severity"])
+    if len(sets) < 2:
+        return ("compare", f"compare={compare!r} ranks monitors over fault sets (Friedman test), but faults="
+                f"{options['faults']!r} with severity={options['severity']!r} gives {len(sets)} fault set "
+                f"({', '.join(sets)}); the ranking needs at least two",
+                "request two or more fault sets (several families, or severities such as severity=(3, 4, 5)), or "
+                "leave compare= out")
+    return None
+
+
 _MONITOR = Param("monitor", (str,), REQUIRED, lambda v: None if v else "is empty",
                  "name a monitor of the `monitors` fixture, e.g. monitor='energy' (the default fixture has 'msp', "
                  "'odin', 'energy' and 'detection_score'; conftest.py may define more)")
@@ -175,6 +208,8 @@ MIN_MONITOR_DETECTION = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_detection,
+    together=_compare_problem,  # compare= misuse is a collection error, before any monitor is fitted
+    signal=("model", "data"),  # checked on the labelled in-distribution evaluation data (OOD data have no labels)
     tasks=("single-label", "detection"),  # a detector: a score-based monitor (DetectionScore), faults on the images
     shards=True,  # each rank scores its share of every data set's batches; the scores are all-gathered
     doc="fail if the monitor's detection (OOD positive; MCC by default) of the worst fault family and severity "
@@ -199,6 +234,7 @@ MAX_MONITOR_SELECTIVE_RISK = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_selective_risk,
+    signal=("model", "data"),  # checked on the labelled in-distribution evaluation data (OOD data have no labels)
     tasks=("single-label", "detection"),  # a detector's error: a missed object or a false detection per image
     shards=True,  # each rank scores its share of every data set's batches; scores and errors all-gathered
     doc="fail if the error rate among the inputs the monitor accepts (its upper confidence bound by default) "

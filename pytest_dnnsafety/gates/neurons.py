@@ -110,6 +110,7 @@ MAX_NEURON_PATTERN_DEVIATION = GateDef(
     measure=_measure_pattern_deviation,
     layers=lambda options: (options["layer"],),  # the shared forward pass captures it
     shards=True,
+    signal=("model", "data"),  # relative: a model without signal has one pattern, deviating nowhere
     tasks=TASK_NAMES,  # reads no class scores: any model whose layers it can read
     doc="fail if more than `threshold` of the inputs (of one scenario with `where`) activate a number of "
         "neurons in `layer` outside the dominant group and its neighbours (Cheng et al. 2018, eq. 3)",

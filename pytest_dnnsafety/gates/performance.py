@@ -138,6 +138,7 @@ MAX_SCENARIO_DEGRADATION = GateDef(
     measure=_measure,
     tasks=("single-label", "multi-label"),
     shards=True,
+    signal=("model", "data"),  # relative: a model at chance degrades nowhere
     doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
         "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "
         "without rows fail the gate unless allowed; a single group holding every row is inconclusive",

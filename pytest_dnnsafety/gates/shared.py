@@ -34,7 +34,8 @@ from typing import Any, Mapping
 
 from pytest_dnnsafety.gates.core import GateContext, GateSpec
 
-__all__ = ["activation_cache", "layer_plan", "activations_for", "outputs_for", "merged", "together", "scenario_table"]
+__all__ = ["activation_cache", "layer_plan", "activations_for", "outputs_for", "no_signal", "merged", "together",
+           "scenario_table"]
 
 
 def activation_cache(ctx: GateContext) -> Any:
@@ -71,6 +72,51 @@ def outputs_for(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, mode
     """The model's :class:`~pytest_dnnsafety.engines.core.capture.ModelOutputs` on the gate's data, from the shared pass."""
     return activation_cache(ctx).outputs(fx[model], fx[data], batch_size=ctx.batch_size, device=ctx.device,
                                          plan=layer_plan(spec, ctx, model=model, data=data), shard=shard)
+
+
+def no_signal(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> tuple[str, dict[str, Any]] | None:
+    """``(reason, details)`` when the gate's model gives no signal on its data (the precondition of a relative gate,
+    :attr:`~pytest_dnnsafety.gates.core.GateDef.signal`; :mod:`~pytest_dnnsafety.engines.core.signal`), else None.
+
+    Reads the session's shared pass (:func:`outputs_for`: the pass the gate itself reads, no pass of its own) on
+    the roles the definition names; under torchrun each rank counts its shard of a sharding gate's batches and the
+    counts are gathered and merged, so every rank reaches the same verdict. A pass that fails, labels outside the
+    model's classes and a task that does not fit the outputs are left to the gate (its own error names them).
+    """
+    from pytest_dnnsafety.engines.core.signal import SignalCounts
+    from pytest_dnnsafety.errors import DataError, DnnSafetyError
+    from pytest_dnnsafety.runtime import torchrun as ranks
+
+    roles = spec.definition.signal
+    if roles is None:
+        return None
+    model, data = roles
+    shard = ctx.shard(fx[data]) if spec.definition.shards else None
+    multi = ctx.task == "multi-label"
+    threshold = spec.options.get("decision_threshold") if multi else spec.options.get("score_threshold")
+
+    def local() -> SignalCounts | None:
+        try:
+            out = outputs_for(spec, fx, ctx, model=model, data=data, shard=shard)
+        except DnnSafetyError:
+            return None  # the gate meets the pass's error itself (kept by the cache: no second pass), in its words
+        if (out.detections is not None) != (ctx.task == "detection"):
+            return None  # a detector read as a classifier or the reverse: the gate's own check names it
+        if ctx.task not in ("multi-label", "detection"):
+            try:
+                out.check_labels(spec.fixtures.get(data, data), spec.options.get("classes"))
+            except DataError:
+                return None  # the gate's own check names the labels and the fix
+        return SignalCounts.of(out, ctx.task, threshold=threshold, kind=spec.options.get("outputs") if multi else None)
+
+    counts = ranks.together(local, sharded=shard is not None)
+    if shard is not None:
+        parts = ranks.gather(counts)
+        counts = None if any(part is None for part in parts) else SignalCounts.merge_all(parts)
+    if counts is None:
+        return None
+    why = counts.reason(spec.fixtures.get(data, data))
+    return None if why is None else (why, counts.to_details())
 
 
 # ------------------------------------------------------------------------------------- torchrun: the mechanism syncs

@@ -195,3 +195,19 @@ def test_an_untimed_gate_whose_ranks_disagree_is_an_error_on_every_rank(monkeypa
     mine = _result(0.1, "failed")
     TorchrunRank.settle(types.SimpleNamespace(), spec, mine)  # type: ignore[arg-type]
     assert mine.status == "error" and "torchrun ranks disagree" in mine.summary
+
+
+def test_keywords_checked_together_at_parse_time() -> None:
+    """``GateDef.together``: a combination of keywords that cannot work is a marker error naming the keyword and the
+    fix; a raising check names the gate (never INTERNALERROR)."""
+    def together(options: Any) -> tuple[str, str, str] | None:
+        return ("layer", "'b' needs another layer", "use layer='a'") if options["layer"] == "b" else None
+
+    registry = _registry(_gate(together=together))
+    assert parse_marker("min_thing", (0.5,), {}, "t", registry).options["layer"] == "a"
+    with pytest.raises(MarkerError, match=r"t: @pytest.mark.min_thing: argument layer: 'b' needs another layer\. "
+                                          r"Fix: use layer='a'\."):
+        parse_marker("min_thing", (0.5,), {"layer": "b"}, "t", registry)
+    registry = _registry(_gate(together=lambda options: 1 / 0))
+    with pytest.raises(MarkerError, match=r"gate 'min_thing': its together\(options\) raised ZeroDivisionError"):
+        parse_marker("min_thing", (0.5,), {}, "t", registry)

@@ -6,6 +6,10 @@ Known answers on the digits CNN (tests/_digits_project.py):
 * an all-zero severity matrix makes the weighted confusion 0 by construction: an error naming its source;
 * DeepInspect's bias on random activations has no NAPVD below the cutoff: inconclusive, value NaN, not 0;
 * a model that ignores its input has no hot occlusion position: M_interpret under no_hot='one' is inconclusive;
+  such a constant model answers one class, so the relative gates' shared precondition (issue #29 §2,
+  :mod:`pytest_dnnsafety.engines.core.signal`) says it first: not better than chance, the numbers named;
+* a chance-level and a collapsed digits model make every relative gate family inconclusive on a real project (the
+  trained CNN, the positive control, is measured);
 * a scenario degradation with one group holding every row compares the data with itself: inconclusive;
 * a user gate's ``Measurement(value=nan, bound=0.0)`` is an error, not a pass;
 * labels the model cannot have (every label 42 on the 10-class model): every gate that reads labels is
@@ -146,9 +150,10 @@ NO_SIGNAL = """
         def __init__(self):
             super().__init__()
             self.w = nn.Parameter(torch.randn(64, 10, generator=torch.Generator().manual_seed(0)))
+            self.classifier = nn.Sequential(nn.Flatten(), nn.ReLU())  # the layer the relative gates name
 
         def forward(self, x):
-            return 3 * torch.sin(1000 * x.flatten(1) @ self.w)
+            return 3 * torch.sin(1000 * self.classifier(x) @ self.w)
 
 
     class Noise(nn.Module):
@@ -179,9 +184,10 @@ NO_SIGNAL = """
         def __init__(self, top):
             super().__init__()
             self.logits = nn.Parameter(torch.linspace(0, top, 10))
+            self.classifier = nn.Sequential(nn.Flatten(), nn.ReLU())  # the layer the relative gates name
 
         def forward(self, x):
-            return self.logits.expand(x.shape[0], 10) + 0 * x.flatten(1)[:, :1]
+            return self.logits.expand(x.shape[0], 10) + 0 * self.classifier(x)[:, :1]
 
 
     @pytest.fixture(scope="session")
@@ -224,6 +230,17 @@ NO_SIGNAL_GATES = {
     "unconfident_sensitivity": 'min_occlusion_sensitivity(0.5, size=2, model="unconfident")',
     "one_group": 'max_scenario_degradation(0.1, by=["lighting"], allow_empty_groups=True, scenarios="day_only")',
     "all_groups": 'max_scenario_degradation(1.0, by=["lighting"])',
+    # issue #29 §2: every relative gate family on the chance-level model, the collapsed (constant) one, the trained one
+    **{f"{model}_{name}": gate if model == "model" else f'{gate[:-1]}, model="{model}")'
+       for model in ("random_output", "constant", "model") for name, gate in {
+           "degradation": 'max_scenario_degradation(0.5, by=["lighting"])',
+           "pattern": 'max_neuron_pattern_deviation(0.9, layer="classifier.1")',
+           "confusion": 'max_class_confusion(0.99, layer="classifier.1", unpredicted="exclude")',
+           "weighted": 'max_weighted_confusion(5.0, severity={"1": {"7": 10.0}}, default=0.0)',
+           "monitor": 'min_monitor_detection(0.0, monitor="energy", faults="black_frame")',
+           "risk": 'max_monitor_selective_risk(0.9, monitor="energy")',
+           "occlusion": 'max_occlusion_sensitivity(1.0, size=2)',
+       }.items()},
 }
 
 
@@ -231,7 +248,7 @@ NO_SIGNAL_GATES = {
 def test_no_signal_is_never_a_pass(gate_project: GateProject, files: Path) -> None:
     project = digits_project(gate_project, files, NO_SIGNAL_GATES, textwrap.dedent(NO_SIGNAL),
                              scenarios="data/scenarios.csv", conditions="data/conditions.toml",
-                             masks="data/masks.npz")
+                             masks="data/masks.npz", monitor_data="data/fit.npz")
     project.run("--dnnsafety-json=evidence.json")
     gates = gates_of(project)
     loss = gates["random_loss"]
@@ -250,16 +267,30 @@ def test_no_signal_is_never_a_pass(gate_project: GateProject, files: Path) -> No
     assert "no pair of predicted classes has a NAPVD below the bias cutoff" in bias["details"]["inconclusive"]
     assert "no bias signal" in bias["summary"] and bias["details"]["bias_no_signal"]
     assert gates["random_confusion"]["status"] in ("passed", "failed")  # confusion has no cutoff: it measures
-    interpret = gates["constant_interpret"]
-    assert interpret["status"] == "inconclusive", interpret["summary"]
-    assert "no occlusion changed the output on any of the 300 inputs" in interpret["details"]["inconclusive"]
-    unconfident = gates["unconfident_sensitivity"]
-    assert unconfident["status"] == "inconclusive" and unconfident["value"] == 1.0, unconfident["summary"]
-    assert "below ρ=0.5 on every one of the 300 inputs" in unconfident["details"]["inconclusive"]
+    # constant models answer one class: the shared precondition speaks before the occlusion's own checks (which
+    # tests/families/interpretability/test_occlusion_plan.py pins)
+    for name in ("constant_interpret", "unconfident_sensitivity"):
+        gate = gates[name]
+        assert gate["status"] == "inconclusive" and gate["value"] is None, gate["summary"]
+        assert "no signal: the model's accuracy" in gate["details"]["inconclusive"]
+        assert "it predicts 1 of 10 classes" in gate["details"]["inconclusive"]
     one = gates["one_group"]
     assert one["status"] == "inconclusive" and one["value"] == 0.0, one["summary"]
     assert "only group lighting=day has rows" in one["details"]["inconclusive"]
     assert gates["all_groups"]["status"] == "passed", gates["all_groups"]["summary"]
+    labels = np.load(files / "data" / "eval.npz")["y"]
+    chance = max(np.bincount(labels)) / N
+    for model in ("random_output", "constant"):  # issue #29 §2: no relative gate passes a model without signal
+        for name in ("degradation", "pattern", "confusion", "weighted", "monitor", "risk", "occlusion"):
+            gate = gates[f"{model}_{name}"]
+            assert gate["status"] == "inconclusive" and gate["value"] is None, (model, name, gate["summary"])
+            why = gate["details"]["inconclusive"]
+            assert why.startswith("no signal: the model's accuracy ") and f"is not above chance {chance:.3f}" in why
+            assert f"10 classes, {N} inputs of fixture 'dataset'" in why and "Fix: " in why, why
+            assert gate["details"]["no_signal"]["chance_accuracy"] == pytest.approx(chance)
+    for name in ("degradation", "pattern", "confusion", "weighted", "monitor", "risk", "occlusion"):
+        gate = gates[f"model_{name}"]  # the positive control: the trained CNN gives a signal, every gate measures
+        assert gate["status"] in ("passed", "failed") and "no_signal" not in gate["details"], gate["summary"]
 
 
 def test_bias_on_random_activations_has_no_signal_and_real_structure_has() -> None:

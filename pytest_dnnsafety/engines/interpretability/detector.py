@@ -30,7 +30,9 @@ and its M_OccSen is 1 (it fails ``max_occlusion_sensitivity``). ``min_occlusion_
 that the object matter to its detection; a missed object has none, and counting its 1 would let a
 detector that finds nothing pass, so :attr:`DetectorOcclusion.strict` is the same measurement with
 the missed objects' hot sets emptied (M_OccSen 0) for that gate. Missed objects are counted
-(``below_rho``) and reported. Pure torch; no pytest import.
+(``below_rho``) and reported. A detector that misses *every* object gives no signal: its gates are
+inconclusive, as a classifier's whose probability is below ρ on every input
+(:meth:`~pytest_dnnsafety.engines.interpretability.plan.OcclusionPlan.by_convention`). Pure torch; no pytest import.
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def assess_detector_occlusion(model: Any, data: Any, masks: Any = None, *, size:
         rows, cols = state["grid"]
         heat, p_clean = detector_occlusion_maps(model, x, t, size=size, fill=fill, rows=rows, cols=cols, iou=iou,
                                                 max_batch=max_batch, guard=guard, clean_guard=clean_guard)
+        clean_guard.targets(t, batch.index)  # target labels beyond the detector's declared classes: flagged
         first = int(starts[batch.start]) if starts is not None else state["objects"]
         state["objects"] += len(t)
         if m_all is None:

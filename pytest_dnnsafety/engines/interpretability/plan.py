@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from pytest_dnnsafety.engines.interpretability.occlusion import _pair
@@ -50,6 +50,12 @@ class OcclusionPlan(ABC):
     max_batch: int
     iou: float
     aggregate: str = "mean"
+
+    #: the words of the no-signal reason (:meth:`by_convention`): what is below ρ, of which units, whose geometry
+    _unconfident: ClassVar[str] = "the model's probability of the original class is below"
+    _units: ClassVar[str] = "inputs"
+    _geometry: ClassVar[str] = "masks"
+    _fix: ClassVar[str] = "check the model (weights loaded? outputs=?)"
 
     #: the task this variant measures, its name among the session's memoised results, and whether it needs masks
     task: ClassVar[str] = ""
@@ -96,10 +102,10 @@ class OcclusionPlan(ABC):
           ignores its input): every input counts as the convention's 1 or 0.
         """
         if result.n and result.below_rho >= result.n:
-            return (f"the model's probability of the original class is below ρ={self.rho:g} on every one of "
-                    f"the {result.n} inputs before any occlusion, so every position is hot and M_{metric} reflects "
-                    "the masks' geometry, not the model (Cheng et al. 2018, eq. 5 assumes a confident detection). "
-                    "Fix: check the model (weights loaded? outputs=?) or lower rho=")
+            return (f"{self._unconfident} ρ={self.rho:g} on every one of the {result.n} {self._units} before any "
+                    f"occlusion, so every position is hot and {LABELS[metric]} reflects the {self._geometry}' geometry, not "
+                    f"the model (Cheng et al. 2018, eq. 5 assumes a confident detection). Fix: {self._fix} or lower "
+                    "rho=")
         if metric != "interpret" or self.no_hot == "skip" or result.n_interpret == 0 or \
                 result.no_hot < result.n_interpret:
             return None
@@ -152,6 +158,10 @@ class DetectorOcclusionPlan(OcclusionPlan):
     task = "detection"
     memo_name = "occlusion (detection)"
     needs_masks = False  # the objects' boxes stand in
+    _unconfident = "the detector misses every object: its matched score is below"
+    _units = "ground-truth objects"
+    _geometry = "boxes (or masks)"
+    _fix = "check the detector (weights loaded? boxes in pixels x1, y1, x2, y2? the data's classes?)"
 
     def __post_init__(self) -> None:
         if self.outputs != "auto":
@@ -178,16 +188,16 @@ class DetectorOcclusionPlan(OcclusionPlan):
                 "clean image")
 
     def report(self, both: Any, metric: str, strict: bool = False) -> dict[str, Any]:
-        """Eq. (5) per object; ``strict`` reads the missed objects as M_OccSen 0. Never inconclusive for missing
-        every object (that is the detector's failure, measured); inconclusive only under ``no_hot='one'``/
+        """Eq. (5) per object; ``strict`` reads the missed objects as M_OccSen 0. Inconclusive, as a classifier's
+        gate is, when the detector misses every object on the clean images (every position hot: the boxes'
+        geometry, not the detector — the same verdict across tasks, issue #29 §2), and under ``no_hot='one'``/
         ``'zero'`` when no object has a hot position (the convention, not the detector)."""
         result = both.strict if strict else both.result
         label, aggregate = LABELS[metric], self.aggregate
         value = result.value(metric, aggregate)
         details = {**result.to_details(), "gated": f"M_{metric}", "aggregate": aggregate,
                    "missed_objects": int(result.below_rho)}
-        why = None
-        if result.below_rho < result.n:  # every object missed: measured (every gate fails), not a convention
-            why = self.by_convention(result, metric)
+        # the missed objects are counted on eq. (5)'s reading (the strict one empties their hot sets)
+        why = self.by_convention(replace(result, below_rho=both.result.below_rho, n=both.result.n), metric)
         return {"value": value, "detail": f"{self.setup(result)}: {label} {aggregate} {value:.3f}; {result.detail()}",
                 "details": details, "inconclusive": why}

@@ -27,13 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pytest_dnnsafety.engines.core.signal import CONFIDENCE as SIGNAL_CONFIDENCE
 from pytest_dnnsafety.errors import ConfigError
 
 __all__ = ["AttackPlan", "ClassifierAttack", "DetectorAttack", "VerificationPlan", "CHANCE_CONFIDENCE", "at_chance",
            "no_detection"]
 
-#: One-sided confidence of the lower bound on the clean accuracy that must exceed chance (no-signal check).
-CHANCE_CONFIDENCE = 0.95
+#: One-sided confidence of the lower bound on the clean accuracy that must exceed chance (no-signal check): the
+#: relative gates' (:data:`pytest_dnnsafety.engines.core.signal.CONFIDENCE`)
+CHANCE_CONFIDENCE = SIGNAL_CONFIDENCE
 
 
 def _clip(clip: Any) -> tuple[float, float] | None:
@@ -212,16 +214,17 @@ def at_chance(result: Any) -> str | None:
     class. A model whose clean decisions are no better than always answering the most frequent label
     (a random-output, constant or untrained model) has no true-class confidence to lose: its loss is
     about 0 however fragile it is. So the one-sided 95 % Clopper–Pearson lower bound on the clean
-    accuracy must exceed that chance accuracy (the share of the most frequent label).
+    accuracy must exceed that chance accuracy (the share of the most frequent label): the relative gates'
+    shared precondition (:func:`pytest_dnnsafety.engines.core.signal.chance_lower_bound`), on the attack's clean pass.
     """
-    from pytest_dnnsafety.stats.intervals import clopper_pearson_lower
+    from pytest_dnnsafety.engines.core.signal import chance_lower_bound
 
     chance = result.chance_accuracy
     if chance is None:
         return None
     correct = round(result.clean_accuracy * result.n)
-    lower = float(clopper_pearson_lower([correct], result.n, CHANCE_CONFIDENCE)[0])
-    if lower > chance:
+    lower, above = chance_lower_bound(correct, result.n, chance, CHANCE_CONFIDENCE)
+    if above:
         return None
     return (f"the model's clean accuracy {result.clean_accuracy:.3f} ({correct}/{result.n}; "
             f"{CHANCE_CONFIDENCE:.0%} lower bound {lower:.3f}) is not above chance ({chance:.3f}, the share of the "

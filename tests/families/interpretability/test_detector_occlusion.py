@@ -41,12 +41,17 @@ def test_detector_that_looks_at_the_object_passes_and_shifted_boxes_fail(gate_pr
     assert gates["precision"]["details"]["occluding"] == "ground-truth boxes"
 
 
-def test_shifted_boxes_fail_every_occlusion_gate(pytester: pytest.Pytester) -> None:
+def test_shifted_boxes_that_miss_every_object_are_inconclusive_as_a_classifier_is(pytester: pytest.Pytester) -> None:
+    """Issue #29 §2: a detector that misses every object gets the classifier analogue's verdict (every position hot:
+    the value is the boxes' geometry), not a failure one task and an inconclusive the other."""
     project = blob_project(GateProject(pytester), GATES, model={"shift": 8.0})
     project.run("--dnnsafety-json=evidence.json")
     gates = gates_of(project)
-    assert {k: g["status"] for k, g in gates.items()} == dict.fromkeys(GATES, "failed")
-    # no matched box: every position hot, precision = the box's share of the 14x14 positions
+    assert {k: g["status"] for k, g in gates.items()} == dict.fromkeys(GATES, "inconclusive")
+    for gate in gates.values():
+        assert gate["details"]["inconclusive"].startswith("the detector misses every object: its matched score is "
+                                                          "below ρ=0.5 on every one of the 24 ground-truth objects")
+    # no matched box: every position hot, precision = the box's share of the 14x14 positions (reported, not judged)
     assert 0.1 < gates["precision"]["value"] < 0.3
     assert gates["precision"]["details"]["missed_objects"] == 24
     assert gates["sensitive"]["value"] == 0.0 and gates["fragile"]["value"] == 1.0

@@ -63,17 +63,25 @@ def test_no_signal_is_inconclusive() -> None:
     plan = OcclusionPlan.for_task("single-label", "m", OPTIONS)
     assert plan.report(_result(), "occsen")["inconclusive"] is None
     why = plan.report(_result(below_rho=3), "occsen")["inconclusive"]
-    assert "below ρ=0.5 on every one of the 3 inputs" in why and "M_occsen reflects the masks' geometry" in why
+    assert "below ρ=0.5 on every one of the 3 inputs" in why and "M_OccSen reflects the masks' geometry" in why
     convention = OcclusionPlan.for_task("single-label", "m", {**OPTIONS, "no_hot": "one"})
     assert "no_hot='one''s convention" in convention.report(_result(no_hot=3), "interpret")["inconclusive"]
     assert convention.report(_result(no_hot=3), "occsen")["inconclusive"] is None  # M_OccSen is defined
 
 
-def test_a_detector_missing_every_object_is_measured_and_the_strict_reading_is_chosen() -> None:
+def test_a_detector_missing_every_object_is_inconclusive_as_a_classifier_and_the_strict_reading_is_chosen() -> None:
+    """Issue #29 §2: the same situation, the same verdict across tasks (a classifier below ρ everywhere is
+    inconclusive, so is a detector that misses every object, in either reading); missing some objects is measured."""
     plan = OcclusionPlan.for_task("detection", "m", OPTIONS)
     setup = {"occluding": "ground-truth boxes"}
     both = DetectorOcclusion(_result(below_rho=3, setup=setup), _result(below_rho=3, occsen_mean=0.0, setup=setup))
     report = plan.report(both, "occsen")
-    assert report["inconclusive"] is None and report["value"] == 0.4 and report["details"]["missed_objects"] == 3
+    assert report["value"] == 0.4 and report["details"]["missed_objects"] == 3
+    assert report["inconclusive"].startswith("the detector misses every object: its matched score is below ρ=0.5 on "
+                                             "every one of the 3 ground-truth objects")
     assert "IoU ≥ 0.5; occluding = ground-truth boxes); 3 of 3 objects missed" in report["detail"]
-    assert plan.report(both, "occsen", strict=True)["value"] == 0.0
+    strict = plan.report(both, "occsen", strict=True)
+    assert strict["value"] == 0.0 and strict["inconclusive"] == report["inconclusive"]
+    some = DetectorOcclusion(_result(below_rho=2, setup=setup), _result(below_rho=2, occsen_mean=0.0, setup=setup))
+    assert plan.report(some, "occsen")["inconclusive"] is None
+    assert plan.report(some, "occsen", strict=True)["inconclusive"] is None

@@ -43,8 +43,9 @@ def model():
 @pytest.fixture(scope="session")
 def dataset():
     gen = torch.Generator().manual_seed(3)
-    return torch.utils.data.TensorDataset(torch.randn(48, 1, 6, 6, generator=gen),
-                                          torch.randint(0, 3, (48,), generator=gen))
+    # unlabelled: the neuron gates read no labels, and this untrained net answers class 2 to every input, a collapsed
+    # model whose pattern deviation labelled data would make inconclusive (the relative gates' precondition)
+    return torch.utils.data.TensorDataset(torch.randn(48, 1, 6, 6, generator=gen))
 """
 
 SCENARIOS = "weather,road,orientation\n" + "".join(
@@ -260,7 +261,7 @@ def dataset():
         x[37, 0, 0, 0] = 9.0  # batch 2 of 16
     if MODE == "flat":
         x = x.flatten(1)
-    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (48,), generator=gen))
+    return torch.utils.data.TensorDataset(x)  # unlabelled: the untrained net is no better than chance on labels
 """
 
 CONV_GATES = """
@@ -307,8 +308,8 @@ def test_nan_logits_fail_every_neuron_gate_naming_the_first_bad_batch(gate_proje
     for gate in gates.values():
         assert gate["status"] == "error"
         assert gate["details"]["error"].splitlines()[0].startswith(
-            "layer activations (forward pass of the neuron gates): the model's outputs hold NaN/inf in 1 of 48 "
-            "inputs; the first bad batch is batch 2.")
+            "the shared forward pass (model outputs and layer activations): the model's outputs hold NaN/inf in 1 "
+            "of 48 inputs; the first bad batch is batch 2.")
     # the determinism probe's two passes, then one pass of 3 batches; its error reached all three gates
     result.stdout.fnmatch_lines(["*MODEL CALLS 5*"])
 
@@ -318,7 +319,7 @@ def test_float64_model_with_float32_images_fails_the_neuron_gates_naming_both_dt
     result, gates = _gate_errors(_conv_project(gate_project, "float64"))
     for gate in gates.values():
         first = gate["details"]["error"].splitlines()[0]
-        assert first.startswith("layer activations (forward pass of the neuron gates): the model raised "
+        assert first.startswith("the shared forward pass (model outputs and layer activations): the model raised "
                                 "RuntimeError on batch 0 (inputs of shape (16, 1, 8, 8), float32, on cpu; "
                                 "model: Conv8 with float64 weights on cpu)")
         assert "Fix: the inputs are float32 but the model's weights are float64" in first
