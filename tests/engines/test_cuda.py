@@ -934,9 +934,10 @@ def test_activation_cache_batch_loop_does_not_sync(cnn: nn.Module, digits: tuple
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared pass (hooks, outputs, labels) of ActivationCache.get / .outputs on a CUDA model."""
     from pytest_dnnsafety.engines.core import capture as activations
+    from pytest_dnnsafety.engines.core import runner
 
     cache, model = activations.ActivationCache(), _on(cnn, DEV)
-    with strict_batches(activations, monkeypatch) as seen:
+    with strict_batches(runner, monkeypatch) as seen:  # the shared pass runs its batches through the runner
         acts = cache.get(model, digits, ["features.1", "classifier.1"], batch_size=64, device=DEV)
         out = cache.outputs(model, digits, batch_size=64, device=DEV)
     assert seen == [64] * 4 and acts["features.1"].max.device.type == DEV.type and out.labels is not None
