@@ -58,14 +58,16 @@ def _measure(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measure
 
     opts = spec.options
     thresholds, columns = match_plan(opts["iou"])
-    by = by_names(opts)  # the groups (unknown conditions, the group cap, the table's rows) before the forward pass
-    groups = ScenarioGroups.of(scenario_table(spec, fx), by, data=fx["data"], fixtures=spec.fixtures) if by else None
+    by = by_names(opts)
+    table = scenario_table(spec, fx) if by else None
+    if by:  # unknown conditions and the group cap before the forward pass; the rows are checked after it
+        ScenarioGroups.check(table, by)
     engine = ctx.memo("detection matching", (fx["model"], fx["data"]),
                       (thresholds, opts["max_detections"], ctx.batch_size, str(ctx.device)),
                       lambda: merged(spec, fx, ctx, lambda shard: match_detections(
                           outputs_for(spec, fx, ctx, shard=shard), thresholds, shard=shard, batch_size=ctx.batch_size,
                           max_detections=opts["max_detections"], marker=spec.marker, data=spec.fixtures["data"])))
-    groups = ScenarioGroups.whole(engine.n_images, fixtures=spec.fixtures) if groups is None else groups
+    groups = ScenarioGroups.of(table, by, n_rows=engine.n_images, fixtures=spec.fixtures)
     reading = worst_map if spec.marker == "min_detection_map" else worst_recall
     return reading(engine, groups, columns, QualityOptions.of(opts, marker=spec.marker, seed=ctx.seed))
 

@@ -93,11 +93,7 @@ class ScenarioGroups:
         any data is read). Without ``by``: one group of ``n_rows`` rows, and ``table`` is not read."""
         if not by:
             return cls.whole(int(n_rows or 0), fixtures=fixtures)
-        if table is None:
-            raise ValueError(f"grouping by {list(by)} needs the scenario table")
-        columns = resolve_by(table, by)  # an unknown condition is the gate's error, before any forward pass
-        domains = [table.conditions.domains[name] for name in by]
-        check_group_count(by, domains)  # before anything per group is allocated
+        columns, domains = cls.check(table, by)
         if n_rows is None:
             n_rows = count_samples(data)
         check_rows_match(table, n_rows, table_fixture=fixtures["scenarios"], data_fixture=fixtures["data"])
@@ -105,6 +101,18 @@ class ScenarioGroups:
         layout = ScenarioPerformanceEngine(by, domains, feasible=table.conditions.subset_feasibility(columns))
         return cls(by=layout.by, domains=layout.domains, strides=layout.strides, feasible=layout.feasible,
                    index=layout.group_index(table).cpu(), table=table, fixtures=fixtures)
+
+    @staticmethod
+    def check(table: ScenarioTable | None, by: Sequence[str]) -> tuple[Any, list[Any]]:
+        """``by``'s columns and domains in ``table``, checked without reading any data: an unknown condition and a
+        group count over the cap are the gate's errors (call it before a forward pass whose rows :meth:`of` then
+        groups)."""
+        if table is None:
+            raise ValueError(f"grouping by {list(by)} needs the scenario table")
+        columns = resolve_by(table, by)  # an unknown condition is the gate's error, before any forward pass
+        domains = [table.conditions.domains[name] for name in by]
+        check_group_count(by, domains)  # before anything per group is allocated
+        return columns, domains
 
     @classmethod
     def whole(cls, n_rows: int, *, fixtures: Mapping[str, str] | None = None) -> ScenarioGroups:
