@@ -49,8 +49,8 @@ from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, MetricError
 
-__all__ = ["BOUND_METHODS", "DEFAULT_METHOD", "JACKKNIFE_GROUPS", "WORK_LIMIT", "bootstrap_lower", "check_work",
-           "jackknife_weights", "method_text"]
+__all__ = ["BOUND_METHODS", "DEFAULT_METHOD", "HALF_SUBSETS", "JACKKNIFE_GROUPS", "WORK_LIMIT", "bootstrap_lower", "check_work",
+           "jackknife_groups", "jackknife_weights", "method_text"]
 
 #: The bounds a detection gate can compare (``method=``); see the module docstring.
 BOUND_METHODS = ("wide", "conservative", "bca", "extrapolated", "percentile")
@@ -89,11 +89,18 @@ def _check_method(method: str) -> str:
     return method
 
 
-def jackknife_weights(n: int, groups: int = JACKKNIFE_GROUPS) -> Tensor:
-    """``(G, n)`` float64 weights, ``G = min(n, groups)``: row ``g`` leaves out the images ``i`` with ``i mod G == g``."""
-    G = max(1, min(n, groups))
+def jackknife_groups(n: int, groups: int = JACKKNIFE_GROUPS) -> int:
+    """The number of jackknife groups of ``n`` images: ``min(n, groups)`` (at least 1)."""
+    return max(1, min(n, groups))
+
+
+def jackknife_weights(n: int, groups: int = JACKKNIFE_GROUPS, rows: range | None = None) -> Tensor:
+    """``(G, n)`` float64 weights, ``G = min(n, groups)``: row ``g`` leaves out the images ``i`` with ``i mod G == g``;
+    ``rows``: only those rows (a chunk, so the working set stays within the bootstrap's block)."""
+    G = jackknife_groups(n, groups)
+    rows = range(G) if rows is None else rows
     member = torch.arange(n) % G
-    return (member[None, :] != torch.arange(G)[:, None]).to(torch.float64)
+    return (member[None, :] != torch.tensor(list(rows), dtype=torch.int64)[:, None]).to(torch.float64)
 
 
 def half_weights(n: int, generator: torch.Generator, count: int = HALF_SUBSETS) -> Tensor:

@@ -57,8 +57,8 @@ from torch import Tensor
 from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
 from pytest_dnnsafety.engines.core.base import Engine
-from pytest_dnnsafety.engines.detection.bootstrap import (DEFAULT_METHOD, bootstrap_lower, half_weights,
-                                                       jackknife_weights)
+from pytest_dnnsafety.engines.detection.bootstrap import (DEFAULT_METHOD, HALF_SUBSETS, bootstrap_lower,
+                                                       half_weights, jackknife_groups, jackknife_weights)
 from pytest_dnnsafety.runtime import progress
 
 __all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
@@ -201,20 +201,21 @@ class BoxMatchEngine(Engine):
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
             per_row = max(1, score.numel() * matched.shape[1], n_img * max(K, 1))
             chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // per_row)
-            jk_weights = jackknife_weights(n_img).to(score.device)
             maps, jks, subs = [], [], []
             for first in range(0, bootstrap, chunk):
                 b = min(chunk, bootstrap - first)
                 weights = _multinomial_weights(b, n_img, gen).to(score.device)
                 maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
                 progress.tick(first + b, bootstrap, "bootstrap replicates")
-            for first in range(0, jk_weights.shape[0], chunk):
+            groups = jackknife_groups(n_img)  # the jackknife's and half-subsets' weights, a chunk at a time too
+            for first in range(0, groups, chunk):
+                rows = range(first, min(first + chunk, groups))
                 jks.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
-                                                       jk_weights[first:first + chunk]), fill=0.0))
-            half = half_weights(n_img, gen).to(score.device)
-            for first in range(0, half.shape[0], chunk):
-                subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
-                                                        half[first:first + chunk]), fill=0.0))
+                                                       jackknife_weights(n_img, rows=rows).to(score.device)),
+                                     fill=0.0))
+            for first in range(0, HALF_SUBSETS, chunk):
+                half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first)).to(score.device)
+                subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half), fill=0.0))
             replicates = torch.cat(maps).cpu()
             jackknife = torch.cat(jks).cpu()
             halves = torch.cat(subs).cpu()
@@ -271,8 +272,12 @@ class BoxMatchEngine(Engine):
             H, O = hits.sum(0), objects.sum(0)
             jk = torch.where(O - objects > 0, (H - hits) / (O - objects).clamp_min(1), torch.zeros_like(hits))
             jk_all = (H.sum() - hits.sum(1)) / (O.sum() - objects.sum(1)).clamp_min(1)
-            half = half_weights(n_img, gen)
-            hh, ho = half @ hits, half @ objects
+            hh, ho = [], []  # half-subsets a chunk at a time: (count, n) weights stay within the block
+            for first in range(0, HALF_SUBSETS, chunk):
+                half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first))
+                hh.append(half @ hits)
+                ho.append(half @ objects)
+            hh, ho = torch.cat(hh), torch.cat(ho)
             sub = torch.where(ho > 0, hh / ho.clamp_min(1), torch.zeros_like(hh))
             sub_all = hh.sum(1) / ho.sum(1).clamp_min(1)
             lower = bootstrap_lower(rep, per_class, confidence, method, jk, sub)
