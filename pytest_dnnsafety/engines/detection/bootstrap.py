@@ -107,9 +107,8 @@ def half_weights(n: int, generator: torch.Generator, count: int = HALF_SUBSETS) 
     """``(count, n)`` float64 0/1 weights: each row keeps a random ``n // 2`` of the ``n`` images (no repeats)."""
     if n < 2:
         return torch.ones(count, n, dtype=torch.float64)
-    keys = torch.rand(count, n, generator=generator)
-    ranks = keys.argsort(1).argsort(1)
-    return (ranks < n // 2).to(torch.float64)
+    kept = torch.rand(count, n, generator=generator).argsort(1)[:, : n // 2]  # the n // 2 smallest random keys
+    return torch.zeros(count, n, dtype=torch.float64).scatter_(1, kept, 1.0)
 
 
 def _ndtri(p: Tensor) -> Tensor:

@@ -59,7 +59,7 @@ from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
 from pytest_dnnsafety.engines.core.base import Engine
 from pytest_dnnsafety.engines.detection.bootstrap import (DEFAULT_METHOD, HALF_SUBSETS, bootstrap_lower,
                                                        half_weights, jackknife_groups, jackknife_weights)
-from pytest_dnnsafety.runtime import progress
+from pytest_dnnsafety.runtime import allocator, progress
 
 __all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
 
@@ -76,9 +76,10 @@ COCO_IOU_THRESHOLDS = _linspace(0.5, 0.95, 10)
 #: pycocotools' ``recThrs``: 0.00, 0.01, …, 1.00.
 RECALL_POINTS = _linspace(0.0, 1.0, 101)
 _EPS = 2.220446049250313e-16  # np.spacing(1)
-#: Replicates × detections × thresholds of one bootstrap chunk (64 MiB of float64): the bootstrap's working
-#: memory is a few such blocks split over the classes, whatever the number of images.
-BOOTSTRAP_CHUNK_ELEMENTS = 1 << 23
+#: The float64 values of one bootstrap chunk's working set (32 MiB): replicates × (the largest class's detections ×
+#: thresholds × AP_LIVE_TENSORS + images × (classes + 2)); the bootstrap's memory is one such block whatever the
+#: number of images, its freed blocks given back to the system after each chunk.
+BOOTSTRAP_CHUNK_ELEMENTS = 1 << 22
 
 
 def _check_thresholds(iou_thresholds: Any) -> Tensor:
@@ -199,14 +200,14 @@ class BoxMatchEngine(Engine):
         lower = upper = replicates = jackknife = halves = None
         if bootstrap:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
-            per_row = max(1, score.numel() * matched.shape[1], n_img * max(K, 1))
-            chunk = max(1, BOOTSTRAP_CHUNK_ELEMENTS // per_row)
+            chunk = _replicates_per_chunk(bounds, matched.shape[1], n_img, K)
             maps, jks, subs = [], [], []
             for first in range(0, bootstrap, chunk):
                 b = min(chunk, bootstrap - first)
                 weights = _multinomial_weights(b, n_img, gen).to(score.device)
                 maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
                 progress.tick(first + b, bootstrap, "bootstrap replicates")
+                allocator.release()  # the chunk's freed blocks back to the system: the peak stays one chunk
             groups = jackknife_groups(n_img)  # the jackknife's and half-subsets' weights, a chunk at a time too
             for first in range(0, groups, chunk):
                 rows = range(first, min(first + chunk, groups))
@@ -216,6 +217,7 @@ class BoxMatchEngine(Engine):
             for first in range(0, HALF_SUBSETS, chunk):
                 half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first)).to(score.device)
                 subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half), fill=0.0))
+                allocator.release()
             replicates = torch.cat(maps).cpu()
             jackknife = torch.cat(jks).cpu()
             halves = torch.cat(subs).cpu()
@@ -467,18 +469,37 @@ def average_precision(matched: Tensor, image: Tensor, bounds: Sequence[int], gt_
         if hi == lo:
             out[:, k] = torch.where(n_pos > 0, 0.0, math.nan)[:, None].expand(B, T)
             continue
+        n = hi - lo
         w = weights[:, image[lo:hi]]  # (B, n)
-        m = matched[lo:hi].to(torch.float64)  # (n, T)
-        tp = torch.cumsum(w[:, :, None] * m[None], dim=1)  # (B, n, T): integer sums, exact in float64
-        fp = torch.cumsum(w, dim=1)[:, :, None] - tp  # the rest of the (weighted) detections so far
-        rc = (tp / n_pos[:, None, None].clamp_min(1)).transpose(1, 2).contiguous()  # (B, T, n)
-        pr = (tp / (fp + tp + _EPS)).transpose(1, 2)
-        pr = pr.flip(-1).cummax(-1).values.flip(-1)  # monotone from the right
+        # Laid out (B, T, n) from the start, so cumulative sums, the envelope and the search run along the last
+        # dimension, and at most :data:`AP_LIVE_TENSORS` (B, T, n) float64 tensors are alive at once.
+        tp = w[:, None, :] * matched[lo:hi].T.to(torch.float64).contiguous()[None]  # (B, T, n), contiguous
+        tp = tp.cumsum_(-1)  # integer sums, exact in float64
+        seen = w.cumsum(-1)[:, None, :].add_(_EPS)  # (B, 1, n): the (weighted) detections so far, + eps as COCO
+        rc = tp / n_pos[:, None, None].clamp_min(1)
+        pr = tp.div_(seen).flip(-1)  # tp is precision now; flipped (a copy): the envelope is a running maximum
+        del tp
+        env = pr.cummax(-1).values  # precision made monotone from the right, in flipped order
+        del pr
         idx = torch.searchsorted(rc, points.expand(B, T, -1).contiguous(), side="left")  # (B, T, R)
-        q = torch.where(idx < hi - lo, pr.gather(-1, idx.clamp_max(hi - lo - 1)), torch.zeros((), dtype=pr.dtype,
-                                                                                                device=pr.device))
+        del rc
+        q = torch.where(idx < n, env.gather(-1, (n - 1 - idx).clamp_min(0)),
+                        torch.zeros((), dtype=env.dtype, device=env.device))
         out[:, k] = torch.where(n_pos[:, None] > 0, q.mean(-1), torch.full_like(q[..., 0], math.nan))
     return out
+
+
+#: The most ``(B, T, n)`` float64 tensors :func:`average_precision` holds at once for a class of ``n`` detections.
+AP_LIVE_TENSORS = 4
+
+
+def _replicates_per_chunk(bounds: Sequence[int], thresholds: int, n_img: int, classes: int) -> int:
+    """Replicates evaluated together so that :func:`average_precision`'s working set (its largest class's
+    :data:`AP_LIVE_TENSORS` tensors, and the chunk's weights over the images) stays within
+    :data:`BOOTSTRAP_CHUNK_ELEMENTS` float64 values whatever the number of images."""
+    largest = max((hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])), default=0)
+    per_row = max(1, largest * thresholds * AP_LIVE_TENSORS + n_img * (max(classes, 1) + 2))
+    return max(1, BOOTSTRAP_CHUNK_ELEMENTS // per_row)
 
 
 def _mean_map(ap: Tensor, fill: float = math.nan) -> Any:
