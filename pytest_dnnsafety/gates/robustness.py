@@ -3,7 +3,8 @@
 
 Engines in :mod:`..engines.robustness`: perturbation families (gradient attacks and natural
 perturbations), the adversarial confidence loss of Cheng et al. 2018 (§II-D, eq. 4), and certified
-bounds (IBP, CROWN) with a PGD search for counterexamples. The two empirical gates share one
+bounds (IBP, CROWN-IBP, CROWN; ``method="auto"`` picks per input by a cost estimate) with a PGD search for
+counterexamples run before the tighter bounds. The two empirical gates share one
 measurement when they name the same model, data and perturbations (one run of the families, not
 one per gate). ``max_adversarial_confidence_loss`` is *inconclusive* when the model's clean accuracy is
 not above chance (the share of the most frequent label, by a one-sided 95 % Clopper–Pearson lower
@@ -28,6 +29,7 @@ from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.report.plots import plot_families, plot_verdicts
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import attack_cost, verified_cost
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = [
@@ -55,7 +57,7 @@ def _measure_attack(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
 
 
 def _measure_verified(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN)."""
+    """Share of inputs whose prediction is certified constant and correct in the L∞ ball (IBP / CROWN-IBP / CROWN)."""
     from pytest_dnnsafety.engines.robustness.plan import VerificationPlan
 
     opts = spec.options
@@ -144,6 +146,7 @@ MAX_ADVERSARIAL_CONFIDENCE_LOSS = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_attack,
+    cost=attack_cost,
     tasks=("single-label", "detection"),
     shards=True,  # each rank its share of the batches (seeded by the global batch), states all-reduced
     doc="fail if the mean over inputs of the worst family's drop in the true class's probability exceeds "
@@ -158,6 +161,7 @@ MIN_ROBUST_ACCURACY = GateDef(
     params=_EMPIRICAL,
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_attack,
+    cost=attack_cost,
     tasks=("single-label", "detection"),
     shards=True,  # shares the confidence-loss measurement and its shard
     doc="fail unless at least `threshold` of the inputs are classified correctly clean and under every "
@@ -172,8 +176,10 @@ MIN_VERIFIED_ROBUSTNESS = GateDef(
     params=(
         Param("eps", (int, float), REQUIRED, _positive,
               "give the L∞ radius in input units as a positive number, e.g. eps=0.02"),
-        Param("method", (str,), "crown", one_of("crown", "ibp"),
-              "crown (linear relaxation, tighter) or ibp (interval bounds, faster)"),
+        Param("method", (str,), "auto", one_of("auto", "crown", "crown-ibp", "ibp"),
+              "auto (full CROWN where its estimated cost is small, else crown-ibp), crown (tightest; cost grows "
+              "with the unstable neurons), crown-ibp (interval bounds inside, one CROWN pass from the margins: "
+              "cost grows with the network's size) or ibp (interval bounds, fastest, loosest)"),
         _CLIP,
         Param("attack_steps", (int,), 20, in_range(0, 10_000),
               "give the PGD steps used to find counterexamples for inputs that are not verified (0: none)"),
@@ -184,9 +190,10 @@ MIN_VERIFIED_ROBUSTNESS = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_verified,
+    cost=verified_cost,
     shards=True,  # each rank its share of the batches; counts, margins, counterexamples all-reduced
     doc="fail unless at least `threshold` of the inputs are verified: the true class's certified lower "
-        "bound beats every other class in the whole L∞ ball of radius eps (IBP or CROWN bounds)",
+        "bound beats every other class in the whole L∞ ball of radius eps (IBP, CROWN-IBP or CROWN bounds)",
 )
 
 

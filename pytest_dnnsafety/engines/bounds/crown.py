@@ -125,6 +125,8 @@ class BoundState:
         self.refined: dict[int, tuple[Tensor, Tensor]] = {}
         self.relaxations: dict[int, tuple[Tensor, ...]] = {}
         self.dense = self._dense_tail()
+        #: called ``(target node, share of its rows done)`` after each chunk of rows (progress; see crown_ibp.Meter)
+        self.meter: Callable[[int, float], None] | None = None
 
     def _dense_tail(self) -> dict[int, tuple[Tensor, Tensor]]:
         """Dense Jacobians ``(numel_v, n_in)`` and offsets of the affine nodes before any nonlinearity.
@@ -291,6 +293,8 @@ class BoundState:
         else:
             result = self._crown_bounds(p)
         self.bounds[p] = result
+        if self.meter is not None:  # done, whichever path bounded it (closed form, few rows or none)
+            self.meter(p, 1.0)
         if p in self.refined:
             self.refined[p] = result
         release()  # the sweeps' freed coefficient tensors back to the system (glibc keeps them in a fragmented heap)
@@ -457,6 +461,8 @@ class BoundState:
                     b1 = min(b, b0 + b_chunk)
                     pending = {target: chunk(k0, k1)[b0:b1]}
                     result[b0:b1, k0:k1] = self._sweep(target, pending, None, set(), (b0, b1))
+                if self.meter is not None:
+                    self.meter(target, k1 / k)
                 continue
             pending, bias, done = {target: chunk(k0, k1)}, None, set()
             bias = self._sweep(target, pending, bias, done, None)
@@ -488,6 +494,8 @@ class BoundState:
                     low = torch.where(valid, low, torch.full_like(low, -math.inf))
                     result[b0:b1, k0:k1] = result[b0:b1, k0:k1].scatter(1, idx, low)
                 b0 = b1
+            if self.meter is not None:
+                self.meter(target, k1 / k)
         return result
 
     def _sweep(self, target: int, pending: dict[int, Tensor], bias: Tensor | None, done: set[int],

@@ -59,6 +59,7 @@ from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.engines.core.guard import model_dtype_device
 from pytest_dnnsafety.runtime.sizes import parse_memory
 from pytest_dnnsafety.engines.bounds.crown import DEFAULT_MAX_MEMORY, BoundState, memory_plan
+from pytest_dnnsafety.engines.bounds.crown_ibp import check_method, margins as method_margins
 from pytest_dnnsafety.engines.bounds.ops import (AffineOp, ConcatOp, ConvOp, ConvTransposeOp, LeakyReluOp, LinearOp, MaxPoolOp, Op,
                          PermuteOp, PositiveLinearOp, ReluOp, ReshapeOp, SumOp)
 from pytest_dnnsafety.engines.bounds.layers import (_ELEMENTWISE_KINDS, _ELEMENTWISE_MODULES, _FIX, _KWARGS, _REFUSED_FUNCTIONS,
@@ -375,21 +376,23 @@ class BoundedModel:
             return lo, hi
 
     def margin_lower_bounds(self, x_lo: Tensor, x_hi: Tensor, y: Tensor, method: str = "crown", *,
-                            check: bool = True) -> Tensor:
+                            check: bool = True, used: list[Tensor] | None = None) -> Tensor:
         """Lower bounds ``(B, classes)`` of ``z_y − z_j`` over the box (``+inf`` at ``j = y``).
 
         ``method="ibp"``: IBP with the margin spec ``C = e_y − e_j`` folded into the last affine
         layers (``C·W`` bounded over the interval of the last layer's input; Gowal et al. 2018, §3),
         never looser than ``lb_y − ub_j``, which it falls back to when the last op is not affine;
-        ``"crown"``: CROWN on the same spec, intersected with that IBP margin. All positive in a row
-        ⇒ no input of the box is misclassified.
+        ``"crown"``: CROWN on the same spec, intersected with that IBP margin; ``"crown-ibp"``: one
+        CROWN pass from the spec over IBP's intermediate intervals; ``"auto"``: per input, full CROWN
+        where it is estimated cheap, else CROWN-IBP (:mod:`.crown_ibp`). All positive in a row
+        ⇒ no input of the box is misclassified. ``used``: a list that gets, per part of the batch,
+        the method each input was bounded by (int8: 0 ibp, 1 crown-ibp, 2 crown).
 
         ``check=False`` skips the checks that read values on the host (the box's, as for
         :meth:`ibp`, and the labels' range): for a device loop that checks them itself. Labels
         outside ``[0, classes)`` are then clamped into it (their rows are meaningless).
         """
-        if method not in ("crown", "ibp"):
-            raise ConfigError(f"method={method!r} is not one of ['crown', 'ibp'].")
+        method = check_method(method)
         with torch.no_grad():
             states = self._prepare(x_lo, x_hi, check, parts=True)  # consecutive slices of the batch
             state = states[0]
@@ -414,8 +417,9 @@ class BoundedModel:
                 spec = eye[y_part].unsqueeze(1) - eye.unsqueeze(0)  # (B, n, n): rows e_y − e_j
                 # the spec folded into the last affine layers, intersected with lb_y − ub_j (never looser)
                 margins = torch.maximum(lo.gather(1, y_part[:, None]) - hi, state.folded_spec_ibp(spec)[0])
-                if method == "crown":
-                    margins = torch.maximum(margins, state.lower(state.out, spec, False))
+                margins, codes = method_margins(state, spec, method, margins)
+                if used is not None:
+                    used.append(codes)
                 parts.append(margins.scatter(1, y_part[:, None], math.inf))
             return torch.cat(parts)
 

@@ -5,7 +5,10 @@ For every labelled input ``x`` the runner :func:`verify_robustness` gives one of
 * **verified** — sound bounds prove ``z_y(x') − z_j(x') > 0`` for every ``j ≠ y`` and every
   ``x'`` in the ball ``{‖x' − x‖∞ ≤ ε} ∩ clip``: no input of the ball is misclassified. The
   bounds come from :class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel`: interval
-  bound propagation (Gowal et al. 2018) or CROWN (Zhang et al. 2018) on the margins;
+  bound propagation (Gowal et al. 2018), CROWN (Zhang et al. 2018) or CROWN-IBP (Zhang et al.
+  2020: IBP intervals inside, one CROWN pass from the margins) on the margins; ``method="auto"``
+  picks full CROWN or CROWN-IBP per input by an estimate of its cost
+  (:mod:`~pytest_dnnsafety.engines.bounds.crown_ibp`);
 * **falsified** — a counterexample exists: ``x`` itself is misclassified, or a PGD attack
   (Madry et al. 2018) on the margin loss found an ``x'`` in the ball whose prediction is not
   ``y`` (checked again by a plain forward pass);
@@ -37,16 +40,23 @@ from pytest_dnnsafety.engines.core.base import Engine, topk
 from pytest_dnnsafety.data.checks import check_count, check_positive
 from pytest_dnnsafety.engines.core.runner import Runner
 from pytest_dnnsafety.engines.perturb.adversarial import check_clip
+from pytest_dnnsafety.engines.bounds.crown_ibp import METHODS as BOUND_METHODS, check_method
 
 __all__ = ["UNKNOWN", "VERIFIED", "FALSIFIED", "METHODS", "VerificationEngine", "VerificationResult",
            "verify_robustness"]
 
 #: Verdict codes passed to :meth:`VerificationEngine.update`.
 UNKNOWN, VERIFIED, FALSIFIED = 0, 1, 2
-#: The bound methods.
-METHODS = ("crown", "ibp")
+#: The bound methods (:data:`pytest_dnnsafety.engines.bounds.crown_ibp.METHODS`).
+METHODS = BOUND_METHODS
 #: At most this many counterexamples are kept in a result.
 MAX_COUNTEREXAMPLES = 5
+#: The bounds each input may end with, by the code :meth:`BoundedModel.margin_lower_bounds` reports.
+BOUND_NAMES = ("ibp", "crown-ibp", "crown")
+UNSOUND = ("certified robustness: on batch {first} the certified margin bounds do not contain the model's own margins "
+           "at the inputs or at the attack's points, so the traced graph does not compute what the model computes "
+           "(forward hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain eval-mode "
+           "model without hooks; if it is one, please report this with the model.")
 
 
 def _check_eps(eps: Any) -> float:
@@ -55,10 +65,7 @@ def _check_eps(eps: Any) -> float:
 
 
 def _check_method(method: Any) -> str:
-    if method not in METHODS:
-        raise ConfigError(f"method={method!r} is not one of {list(METHODS)}. Fix: 'crown' (tighter) or 'ibp' "
-                          f"(faster, looser).")
-    return str(method)
+    return check_method(method)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class VerificationResult:
     margin_median: float = math.nan
     clip: tuple[float, float] | None = None
     attack_steps: int | None = None
+    bounded_by: dict[str, int] = field(default_factory=dict)
     counterexample_inputs: tuple[Tensor, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -102,8 +110,12 @@ class VerificationResult:
         return self.unknown / self.n if self.n else math.nan
 
     def detail(self) -> str:
-        """``verified 412/539 (0.764) at ε=0.02 by crown; falsified 20; unknown 107``."""
-        return (f"verified {self.verified}/{self.n} ({self.verified_share:.3f}) at ε={self.eps:g} by {self.method}; "
+        """``verified 412/539 (0.764) at ε=0.02 by crown; falsified 20; unknown 107`` (``by auto (crown 500,
+        crown-ibp 39)`` for ``method="auto"``: the inputs each bound was computed for beyond IBP)."""
+        method = self.method
+        if method == "auto":
+            method += " (" + ", ".join(f"{name} {self.bounded_by.get(name, 0)}" for name in ("crown", "crown-ibp")) + ")"
+        return (f"verified {self.verified}/{self.n} ({self.verified_share:.3f}) at ε={self.eps:g} by {method}; "
                 f"falsified {self.falsified}; unknown {self.unknown}")
 
     def to_details(self) -> dict[str, object]:
@@ -127,6 +139,7 @@ class VerificationResult:
             "norm": "linf",
             "clip": None if self.clip is None else [float(self.clip[0]), float(self.clip[1])],
             "attack_steps": self.attack_steps,
+            "bounded_by": {name: int(count) for name, count in self.bounded_by.items()},
             "margin_min": num(self.margin_min),
             "margin_median": num(self.margin_median),
             "counterexamples": [dict(example) for example in self.counterexamples],
@@ -146,7 +159,7 @@ class VerificationEngine(Engine):
     knows the ``input_shape``. No host sync in any of them.
     """
 
-    def __init__(self, eps: float, method: str = "crown", device: torch.device | str | None = None,
+    def __init__(self, eps: float, method: str = "auto", device: torch.device | str | None = None,
                  input_shape: tuple[int, ...] | list[int] | None = None) -> None:
         super().__init__(device)
         self.eps = _check_eps(eps)
@@ -156,6 +169,7 @@ class VerificationEngine(Engine):
         zero = torch.zeros((), dtype=torch.int64)
         for name in ("verified", "falsified", "unknown", "n", "outside_clip"):
             self.add_state(name, zero, "sum")
+        self.add_state("bounded_by", torch.zeros(len(BOUND_NAMES), dtype=torch.int64), "sum")
         self.add_state("margins", torch.zeros(0, dtype=torch.float64), "cat")
         self.add_state("label_min", torch.tensor(torch.iinfo(torch.int64).max), "min")
         self.add_state("label_max", torch.tensor(torch.iinfo(torch.int64).min), "max")
@@ -169,7 +183,8 @@ class VerificationEngine(Engine):
             config["input_shape"] = list(self.input_shape)
         return config
 
-    def update(self, verdicts: Tensor, margins: Tensor | None = None) -> None:  # type: ignore[override]
+    def update(self, verdicts: Tensor, margins: Tensor | None = None,  # type: ignore[override]
+               bounds: Tensor | None = None) -> None:
         verdicts = torch.as_tensor(verdicts)
         if verdicts.ndim != 1 or verdicts.is_floating_point() or verdicts.dtype == torch.bool:
             raise MetricError(f"verdicts must be a 1-D integer tensor of codes {UNKNOWN}/{VERIFIED}/{FALSIFIED}, "
@@ -184,6 +199,9 @@ class VerificationEngine(Engine):
             if margins.numel() != verdicts.numel():
                 raise MetricError(f"{margins.numel()} margins for {verdicts.numel()} verdicts")
             self.append_state("margins", margins.to(torch.float64))
+        if bounds is not None:  # per input, the tightest bound it got (an index of BOUND_NAMES)
+            bounds = torch.as_tensor(bounds).to(self.device, torch.int64).reshape(-1)
+            self.bounded_by = self.bounded_by + torch.bincount(bounds, minlength=len(BOUND_NAMES))[:len(BOUND_NAMES)]
 
     def observe(self, labels: Tensor, outside_clip: Tensor) -> None:
         """A batch's data checks: its labels (their range) and how many input values lie outside ``clip``."""
@@ -229,6 +247,7 @@ class VerificationEngine(Engine):
             method=self.method, eps=self.eps, margin_min=margin_min if math.isfinite(margin_min) else math.nan,
             margin_median=float(margins.median()) if margins.numel() else math.nan,  # the lower median
             counterexamples=listed, counterexample_inputs=points,
+            bounded_by=dict(zip(BOUND_NAMES, (int(v) for v in self.bounded_by.tolist()))),
         )
 
 
@@ -237,7 +256,7 @@ def verify_robustness(
     data: Any,
     eps: float,
     *,
-    method: str = "crown",
+    method: str = "auto",
     clip: tuple[float, float] | None = None,
     batch_size: int = 256,
     device: torch.device | str = "cpu",
@@ -250,20 +269,24 @@ def verify_robustness(
 
     Measured through a :class:`~pytest_dnnsafety.engines.core.runner.Runner` (labels required). Per
     batch: a clean forward pass through a :class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard` (a
-    misclassified input is falsified, itself the counterexample); certified margin lower bounds
-    over ``[x − ε, x + ε] ∩ clip`` by ``method``; the inputs left undecided are attacked with PGD
-    on the margin loss (``attack_steps`` steps, random start seeded with ``seed + global batch
-    index``), and an attack point predicted as another class (checked by a forward pass)
-    falsifies its input. ``device`` is used only for a model without parameters (the model's own
-    device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the
+    misclassified input is falsified, itself the counterexample); IBP margin lower bounds over
+    ``[x − ε, x + ε] ∩ clip`` for every input (a few model passes); the inputs left undecided are
+    attacked with PGD on the margin loss (``attack_steps`` steps, random start seeded with ``seed +
+    global batch index``), and an attack point predicted as another class (checked by a forward
+    pass) falsifies its input; the inputs still undecided get the tighter bounds of ``method``
+    (unless ``"ibp"``) — attacks first, so a falsified input costs no CROWN work (its recorded
+    margin is its IBP bound). The tighter bounds must hold at the attack's points as at the
+    inputs (a soundness check). ``bounded_by`` in the result counts the tightest bound each input
+    got. A long bound ticks the progress line (in estimated model passes, with an ETA).
+    ``device`` is used only for a model without parameters (the model's own device wins). ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the
     batches (None: all of them); the ranks' states are all-reduced, so every rank gets the
     single-process result. ``max_memory``: the bounds' working-memory budget in bytes (int or text
     such as ``"2GiB"``; None: 1 GiB), see :class:`~pytest_dnnsafety.engines.bounds.model.BoundedModel` (chunks never change a bound).
 
     Host synchronisation: on an accelerator each batch synchronises once to select the undecided
     inputs (their count sizes the PGD batch, which spares the attack on every verified or
-    misclassified input), and with ``method="crown"`` CROWN reads its counts of unstable neurons
-    a few times (see :data:`~pytest_dnnsafety.engines.bounds.crown.HOST_SIZING`; with
+    misclassified input) and once more to select the inputs left to bound; ``"auto"`` reads its
+    cost estimate, and CROWN reads its counts of unstable neurons a few times (see :data:`~pytest_dnnsafety.engines.bounds.crown.HOST_SIZING`; with
     it ``False``, or with ``"ibp"``, the selection is the only one). Every check (finite inputs,
     inputs inside ``clip``, labels in range, sound bounds) is kept on the device and read once
     after the loop, on every device alike (so the CPU and an accelerator raise the same error).
@@ -323,21 +346,18 @@ def verify_robustness(
                         "of the torch.export program computes other logits than the program, so its bounds would not "
                         "be about the artifact. Fix: please report this with the program; meanwhile use the "
                         "attack-based robustness gates.")
-        margins = bounded.margin_lower_bounds(lo, hi, y, method, check=False)
-        clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
-        runner.flag("unsound", valid[:, None] & torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs())),
-                    batch, "certified robustness: on batch {first} the certified margin bounds do not contain the "
-                    "model's own margins at the inputs, so the traced graph does not compute what the model computes "
-                    "(forward hooks, state changed by forward(), or code torch.fx does not see). Fix: verify a plain "
-                    "eval-mode model without hooks; if it is one, please report this with the model.")
-        worst = margins.min(dim=1).values
-        verified = worst > 0
+        # IBP for every input first (a few model passes), then, unless method="ibp", the attack on the inputs left
+        # undecided, and the tighter bounds only on those it does not falsify ("attacks first")
+        margins = bounded.margin_lower_bounds(lo, hi, y, "ibp", check=False)
+        verified = margins.min(dim=1).values > 0
         falsified = wrong.clone()
         found = x.clone()
         found_pred = pred.clone()
-        # Only the undecided inputs are attacked: selecting them reads their count (the one sync per batch),
+        used = torch.zeros_like(y, dtype=torch.int8)  # the tightest bound each input got: 0 ibp, 1 crown-ibp, 2 crown
+        # Only the undecided inputs are attacked: selecting them reads their count (a host sync per batch),
         # which spares PGD on every verified or already misclassified input.
-        todo = torch.nonzero(~verified & ~wrong).squeeze(1)  # the one host sync of the batch
+        todo = torch.nonzero(~verified & ~wrong).squeeze(1)
+        rest, at_attack = todo, None
         if attack_steps > 0 and todo.numel():
             from pytest_dnnsafety.engines.perturb.adversarial import pgd
 
@@ -346,17 +366,35 @@ def verify_robustness(
                      guard=attack_guard)
             xa = torch.minimum(torch.maximum(xa.detach(), lo[todo].to(xa.dtype)), hi[todo].to(xa.dtype))
             with torch.no_grad():
-                pa = attack_guard(model, xa).argmax(dim=1)
+                la = attack_guard(model, xa)
+            pa = la.argmax(dim=1)
             hit = pa != y[todo]
             # scattered by the (long) indices todo, not a boolean mask (which would read its count on the host)
             falsified[todo] = falsified[todo] | hit
             found[todo] = torch.where(hit.reshape((-1,) + (1,) * (xa.ndim - 1)), xa.to(found.dtype), found[todo])
             found_pred[todo] = torch.where(hit, pa, found_pred[todo])
+            if method != "ibp":
+                kept = torch.nonzero(~hit).squeeze(1)  # a second host sync: the inputs left to bound
+                rest = todo[kept]
+                at_attack = (la.gather(1, y[todo][:, None]) - la)[kept].detach()  # margins at their attack points
+        if method != "ibp" and rest.numel():
+            codes: list[Tensor] = []
+            tight = bounded.margin_lower_bounds(lo[rest], hi[rest], y[rest], method, check=False, used=codes)
+            margins[rest] = torch.maximum(margins[rest], tight)
+            used[rest] = torch.cat(codes).to(used.device)
+            if at_attack is not None:  # a sound lower bound holds at every point of the ball, the attack's too
+                runner.flag("unsound", valid[rest, None] & torch.isfinite(tight)
+                            & (tight > at_attack + 1e-4 * (1 + at_attack.abs())), batch, UNSOUND)
+        clean = logits.detach().gather(1, y[:, None]) - logits.detach()  # the margins at x itself
+        runner.flag("unsound", valid[:, None] & torch.isfinite(margins) & (margins > clean + 1e-4 * (1 + clean.abs())),
+                    batch, UNSOUND)
+        worst = margins.min(dim=1).values
+        verified = worst > 0
         runner.flag("overlap", valid & verified & falsified, batch,
                     "certified robustness: internal error: PGD found a misclassified point in the ball of an input "
                     "the bounds verify (unsound bounds; first in batch {first}). Please report this with the model.")
-        codes = torch.full_like(y, UNKNOWN).masked_fill_(verified, VERIFIED).masked_fill_(falsified, FALSIFIED)
-        engine.update(codes, worst)
+        verdicts = torch.full_like(y, UNKNOWN).masked_fill_(verified, VERIFIED).masked_fill_(falsified, FALSIFIED)
+        engine.update(verdicts, worst, used)
         engine.add_counterexamples(batch.rows, falsified, y, found_pred, wrong,
                                    (found - x).flatten(1).abs().amax(dim=1), found)
 

@@ -47,7 +47,8 @@ def test_digits_cnn_verdict_counts(results: dict[float, VerificationResult]) -> 
         assert result.verified + result.falsified + result.unknown == result.n
         assert result.verified_share == pytest.approx(result.verified / 200)
         assert result.value == result.verified_share
-        assert result.method == "crown" and result.clip == CLIP and result.attack_steps == 20
+        assert result.method == "auto" and result.clip == CLIP and result.attack_steps == 20
+        assert sum(result.bounded_by.values()) == result.n and result.bounded_by["crown-ibp"] == 0  # small: full CROWN
     assert small.verified >= 120  # most correctly classified digits are provably robust at ε = 0.01
     assert large.verified < small.verified  # a larger ball is harder to certify …
     assert large.falsified >= small.falsified  # … and easier to attack
@@ -80,10 +81,12 @@ def test_details_and_detail_line(results: dict[float, VerificationResult]) -> No
     details = json.loads(json.dumps(result.to_details()))
     assert details["metric"] == "certified_robustness"
     assert details["verified"] == result.verified and details["unknown"] == result.unknown
-    assert details["eps"] == 0.05 and details["method"] == "crown" and details["clip"] == [0.0, 1.0]
+    assert details["eps"] == 0.05 and details["method"] == "auto" and details["clip"] == [0.0, 1.0]
+    assert details["bounded_by"] == result.bounded_by
     assert details["counterexamples"] == [dict(example) for example in result.counterexamples]
     assert set(details["counterexamples"][0]) == {"index", "label", "predicted", "linf_distance", "source"}
-    assert re.fullmatch(r"verified \d+/200 \(0\.\d{3}\) at ε=0\.05 by crown; falsified \d+; unknown \d+",
+    assert re.fullmatch(r"verified \d+/200 \(0\.\d{3}\) at ε=0\.05 by auto \(crown \d+, crown-ibp 0\); falsified \d+; "
+                        r"unknown \d+",
                         result.detail())
 
 
@@ -144,7 +147,9 @@ def test_progress_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(progress, "tick", lambda done, total, unit="": ticks.append((done, total, unit)))
     x, y = digits_images(50)
     verify_robustness(digits_cnn(), (x, y), 0.01, clip=CLIP, batch_size=20)
-    assert ticks == [(20, 50, "inputs"), (40, 50, "inputs"), (50, 50, "inputs")]
+    assert [t for t in ticks if t[2] == "inputs"] == [(20, 50, "inputs"), (40, 50, "inputs"), (50, 50, "inputs")]
+    bound = [t for t in ticks if t[2] == "bound passes"]  # CROWN's own ticks inside each batch (issue #30)
+    assert bound and all(0 <= done <= total for done, total, _ in bound)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -167,7 +172,7 @@ def test_engine_merge_and_payload_round_trip() -> None:
     assert merged.margin_median == pytest.approx(float(everything.median()), rel=0.03)
     payload = json.loads(json.dumps(a.state_payload()))
     rebuilt = Engine.from_payload(payload)
-    assert isinstance(rebuilt, VerificationEngine) and rebuilt.config() == {"eps": 0.02, "method": "crown"}
+    assert isinstance(rebuilt, VerificationEngine) and rebuilt.config() == {"eps": 0.02, "method": "auto"}
     assert rebuilt.compute() == merged
     with pytest.raises(ValueError, match="different 'eps'"):
         VerificationEngine(0.02).merge(VerificationEngine(0.05))
