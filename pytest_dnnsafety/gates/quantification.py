@@ -29,6 +29,7 @@ from pytest_dnnsafety.gates.hookspecs import hookimpl
 from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import GRADIENT, Cost, Workload, per_input, safe_radius_cost
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gates"]
@@ -36,6 +37,10 @@ __all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gat
 #: The safety expressions (:data:`..engines.quantification.EXPRESSIONS`; a test keeps the two equal). Spelled out
 #: here so that checking a marker at collection imports no torch.
 EXPRESSION_NAMES = ("top_vs_runner_up", "top_vs_label", "top_vs_least", "uncertainty", "reachability")
+#: The searches (:data:`..engines.quantification.SEARCH_MODES`) and the input size above which ``search='auto'``
+#: never runs the coordinate search (:data:`..engines.quantification.scale.COORDINATE_MAX_DIMS`; tests keep them equal).
+SEARCH_NAMES = ("auto", "coordinate", "gradient", "certified")
+COORDINATE_MAX_DIMS = 4096
 
 
 def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
@@ -47,7 +52,7 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
     """
     from pytest_dnnsafety.engines.core.guard import eval_mode
     from pytest_dnnsafety.engines.quantification import (Certification, GatedRadius, SafetyProperty, SearchBudget,
-                                                         quantify_safety)
+                                                         SearchPlan, quantify_safety)
 
     opts = spec.options
     certified = opts["certified"]
@@ -62,13 +67,34 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
                           float(opts["contraction"]), float(opts["mesh_tol"]), ascent_steps=opts["ascent_steps"],
                           ascent_starts=opts["ascent_starts"])
     certification = None if method is None else Certification(method, opts["certified_steps"])
+    plan = SearchPlan(opts["search"], opts["max_queries"], opts["attack_steps"], auto_bound=certified is True)
     gated = GatedRadius(opts["statistic"], float(opts["quantile"]), opts["worst"])
     with eval_mode(fx["model"]):
         result = quantify_safety(fx["model"], fx["data"], safety, search, certification, gated, seed=ctx.seed,
                                  batch_size=ctx.batch_size, device=ctx.device, outputs=opts["outputs"],
-                                 shard=ctx.shard(fx["data"]))
+                                 shard=ctx.shard(fx["data"]), plan=plan)
     return Measurement(value=result.value, detail=result.detail(), details=result.to_details(),
                        inconclusive=result.inconclusive, contradiction=result.contradiction)
+
+
+def _cost(options: Mapping[str, Any], work: Workload) -> Cost:
+    """The cost of the search ``search='auto'`` would pick (the coordinate search's by :func:`safe_radius_cost`)."""
+    search = options.get("search") or "auto"
+    if search == "auto":
+        coordinate = safe_radius_cost(options, work)
+        small = work.dims <= COORDINATE_MAX_DIMS and coordinate.forwards <= max(work.n, 1) * float(
+            options.get("max_queries") or math.inf)
+        search = "coordinate" if small else "gradient"
+    if search == "coordinate":
+        return safe_radius_cost(options, work)
+    certified = options.get("certified", True)
+    bound = "ibp" if certified is True else (certified or None)
+    steps = int(options.get("certified_steps") or 0) + 1
+    bisection = steps * (2.0 if bound == "ibp" else max(4.0, float(work.dims))) if bound else 0.0
+    attack = GRADIENT * (int(options.get("attack_steps") or 0) + 1)
+    per = 2 + attack + bisection
+    return per_input(per, f"{per:,.0f} forwards (search={search!r}: attack {attack:g}, certified bisection "
+                          f"{bisection:,.0f})", ("attack_steps", "certified_steps", "search"))(work)
 
 
 # ------------------------------------------------------------------------------------- marker keywords
@@ -145,6 +171,16 @@ MIN_SAFE_RADIUS = GateDef(
               "give the steps of each gradient-norm ascent, e.g. ascent_steps=10"),
         Param("certified_steps", (int,), 10, in_range(0, 40),
               "give the bisection steps of the certified radius, e.g. certified_steps=10 (resolution d/1024)"),
+        Param("search", (str,), "auto", one_of(*SEARCH_NAMES),
+              "use 'auto' (the coordinate search for inputs of at most 4096 elements within max_queries, else "
+              "'gradient'), 'coordinate' (DeepQuant's pattern search: 2n+1 forwards per poll), 'gradient' (a batched "
+              "minimum-norm attack: an upper-bound-style estimate) or 'certified' (the sound bounds only)"),
+        Param("max_queries", (int,), 2_000_000, in_range(1, 10**15),
+              "give the most single-input forwards per input the search may cost (a gradient step counts 3), e.g. "
+              "max_queries=2000000; a search estimated above it is refused before any work"),
+        Param("attack_steps", (int,), 10, in_range(0, 100_000),
+              "give the gradient steps of the minimum-norm attack (search='gradient') or of the PGD check "
+              "(search='certified'), e.g. attack_steps=10"),
         Param("worst", (int,), 5, in_range(0, 1000), "give how many of the worst inputs the details list"),
         Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
               "say what the model returns: auto (detected), logits or probabilities"),
@@ -154,11 +190,14 @@ MIN_SAFE_RADIUS = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset"},
     measure=_measure_safe_radius,
+    cost=_cost,
     shards=True,  # each rank searches its share of the batches; the per-input results are all-gathered
     doc="fail unless the `quantile` (default: the minimum) of the per-input safe radii reaches `threshold` "
         "(input units): by default the radii CROWN/IBP prove (`statistic='certified'`), or with "
         "`statistic='estimate'` DeepQuant's d' = s(x)/Q, Q the Lipschitz metric found by gradient-norm ascent "
-        "and pattern search (a heuristic, not a guarantee); every input is checked by PGD: an adversarial "
+        "and pattern search (a heuristic, not a guarantee) — above 4096 input elements `search='auto'` runs a batched "
+        "minimum-norm attack instead (its estimate an upper bound on the minimal adversarial radius), and a search "
+        "estimated above `max_queries` forwards per input is refused; every input is checked by PGD: an adversarial "
         "example inside its gated radius fails the gate",
 )
 

@@ -4,7 +4,8 @@ networks").
 Modules: :mod:`.common` (checks, expressions, balls, draws), :mod:`.options` (the option records:
 :class:`SafetyProperty`, :class:`SearchBudget`, :class:`Certification`, :class:`GatedRadius`),
 :mod:`.gradients` (gradient-norm ascent, the PGD check), :mod:`.search` (the pattern search),
-:mod:`.certified` (the certified radius), :mod:`.engine` (:class:`SafeRadiusEngine`, the per-input
+:mod:`.certified` (the certified radius), :mod:`.scale` (which search runs — the coordinate search, a batched
+minimum-norm attack or the certificate alone — its query estimate and refusal), :mod:`.engine` (:class:`SafeRadiusEngine`, the per-input
 states), :mod:`.dataset` (:func:`quantify_safety`). Every public name is importable from here.
 
 **Safety expressions** ``s(x)`` over the model's probabilities ``f(x)`` (softmax of logits, or the
@@ -134,7 +135,10 @@ from pytest_dnnsafety.engines.quantification.dataset import SafetyQuantification
 from pytest_dnnsafety.engines.quantification.engine import SafeRadiusEngine
 from pytest_dnnsafety.engines.quantification.gradients import dual_norm, gradient_ascent, pgd_nearest_unsafe
 from pytest_dnnsafety.engines.quantification.options import (
-    STATISTICS, Certification, GatedRadius, SafetyProperty, SearchBudget,
+    SEARCH_MODES, STATISTICS, Certification, GatedRadius, SafetyProperty, SearchBudget, SearchPlan,
+)
+from pytest_dnnsafety.engines.quantification.scale import (
+    COORDINATE_MAX_DIMS, estimate_queries, gradient_search, plan_search,
 )
 from pytest_dnnsafety.engines.quantification.search import LipschitzSearch, lipschitz_search
 
@@ -144,5 +148,6 @@ __all__ = [
     "project_ball", "project_l1_ball", "lp_norm", "dual_norm",
     "LipschitzSearch", "lipschitz_search", "gradient_ascent", "pgd_nearest_unsafe", "certified_radius",
     "SafetyQuantification", "quantify_safety", "SafeRadiusEngine",
-    "SafetyProperty", "SearchBudget", "Certification", "GatedRadius",
+    "SafetyProperty", "SearchBudget", "Certification", "GatedRadius", "SearchPlan", "SEARCH_MODES",
+    "COORDINATE_MAX_DIMS", "estimate_queries", "plan_search", "gradient_search",
 ]

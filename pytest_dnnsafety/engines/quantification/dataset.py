@@ -14,7 +14,7 @@ a contradiction (the gate fails and names the input).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,13 +27,18 @@ from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.quantification.common import lp_norm
 from pytest_dnnsafety.engines.quantification.engine import WORST_COLUMNS, SafeRadiusEngine
 from pytest_dnnsafety.engines.quantification.gradients import pgd_nearest_unsafe
-from pytest_dnnsafety.engines.quantification.options import Certification, GatedRadius, SafetyProperty, SearchBudget
+from pytest_dnnsafety.engines.quantification.options import (Certification, GatedRadius, SafetyProperty, SearchBudget,
+                                                             SearchPlan)
+from pytest_dnnsafety.engines.quantification.scale import gradient_search, plan_search
 from pytest_dnnsafety.engines.quantification.search import lipschitz_search
 
 __all__ = ["SafetyQuantification", "quantify_safety"]
 
 #: How each statistic is named in every output.
-STATISTIC_LABELS = {"estimate": "estimate (heuristic lower bound on Q ⇒ not a guarantee)"}
+STATISTIC_LABELS = {"estimate": "estimate (heuristic lower bound on Q ⇒ not a guarantee)",
+                    "gradient": "estimate (minimum-norm attack: an upper bound on the minimal adversarial radius, not "
+                                "a guarantee)",
+                    "certified": "estimate (not run: search='certified')"}
 #: The PGD check runs inside this fraction of a claimed radius, so that a point it finds lies inside the ball
 #: whatever the rounding of x ± r.
 _INSIDE = 1 - 1e-5
@@ -41,6 +46,17 @@ _INSIDE = 1 - 1e-5
 _NAMED = 5
 #: Why the PGD check was given up.
 _NO_GRADIENT = "the model gives no input gradient"
+
+
+#: What the estimate is, per search (in the details).
+_ESTIMATE_NOTES = {
+    "coordinate": "d' = s(x)/Q with Q a lower bound found by search: a heuristic that may overstate the true safe "
+                  "radius (a guarantee only if the optimisation were proven global)",
+    "gradient": "the distance of the nearest adversarial example (s < 0) a minimum-norm attack found: an upper bound "
+                "on the true minimal adversarial radius where one was found (d where none was: then nothing is "
+                "shown); not a guarantee of safety",
+    "certified": "not run (search='certified'): only the certified radius, a sound lower bound",
+}
 
 
 def _quantile(values: Tensor, q: float) -> float:
@@ -108,6 +124,10 @@ class SafetyQuantification:
     q_gradient: Tensor | None = None
     pgd_distance: Tensor | None = None
     pgd_reason: str | None = None
+    #: the search that ran (:mod:`.scale`): ``"coordinate"``, ``"gradient"`` or ``"certified"``
+    search: str = "coordinate"
+    #: its estimated single-input forwards per input, and what they are made of
+    queries: float | None = None
 
     @property
     def n_applicable(self) -> int:
@@ -118,7 +138,12 @@ class SafetyQuantification:
         """How the gated statistic is named: ``certified (CROWN)`` or ``estimate (heuristic …)``."""
         if self.statistic == "certified":
             return f"certified ({(self.certified_method or self.settings.get('certified') or 'crown').upper()})"
-        return STATISTIC_LABELS["estimate"]
+        return self.estimate_label
+
+    @property
+    def estimate_label(self) -> str:
+        """How the estimate is named: the pattern search's heuristic, or the attack's upper-bound-style estimate."""
+        return STATISTIC_LABELS["estimate" if self.search == "coordinate" else self.search]
 
     @property
     def estimate_value(self) -> float:
@@ -151,7 +176,8 @@ class SafetyQuantification:
     @property
     def closer_than_estimate(self) -> Tensor:
         """Per input: an adversarial example (``s < 0``) was found inside the estimated safe radius."""
-        return _closer(self.unsafe_distance, self.radius, self.applicable, strict=False)
+        # the attack's estimate *is* the distance of its nearest adversarial example: only a closer one refutes it
+        return _closer(self.unsafe_distance, self.radius, self.applicable, strict=self.search == "gradient")
 
     @property
     def closer_than_gated(self) -> Tensor:
@@ -203,10 +229,12 @@ class SafetyQuantification:
         st = self.settings
         which = "min" if self.quantile == 0 else f"q{self.quantile:g}"
         gated = "n/a" if math.isnan(self.value) else f"{self.value:.4g}"
+        how = (f"{st['method']} ≤{st['iterations']} it." if self.search == "coordinate" else
+               f"search={self.search}, {st.get('attack_steps')} attack steps")
         text = (f"{which} safe radius, {self.label} {gated} ({self._what()}; {self.n_applicable}/{self.n} inputs, "
-                f"{st['method']} ≤{st['iterations']} it.)")
-        if self.statistic == "certified":
-            text += f"; {STATISTIC_LABELS['estimate']} {which} {self.estimate_value:.4g}"
+                f"{how})")
+        if self.statistic == "certified" and self.search != "certified":
+            text += f"; {self.estimate_label} {which} {self.estimate_value:.4g}"
         elif self.certified is not None:
             text += f"; certified ({(self.certified_method or '').upper()}) {which} {self.certified_value:.4g}"
         pgd = self._pgd_counts()
@@ -238,6 +266,8 @@ class SafetyQuantification:
             "n_applicable": self.n_applicable,
             "not_applicable": int(self.n - self.n_applicable),
             "outputs": self.outputs,
+            "search": self.search,
+            "queries_per_input": self.queries,
             "estimate": {
                 "value": _num(self.estimate_value),
                 "min": _num(float(radius.min())) if radius.numel() else None,
@@ -245,8 +275,7 @@ class SafetyQuantification:
                 "mean": _num(float(radius.mean())) if radius.numel() else None,
                 "max": _num(float(radius.max())) if radius.numel() else None,
                 "at_d": int((radius >= self.settings["d"]).sum()),
-                "note": "d' = s(x)/Q with Q a lower bound found by search: a heuristic that may overstate the true "
-                        "safe radius (a guarantee only if the optimisation were proven global)",
+                "note": _ESTIMATE_NOTES[self.search],
             },
             "lipschitz": {"max": _num(float(q.max())) if q.numel() else None, "median": _num(_quantile(q, 0.5))},
             "pgd_check": self._pgd_counts(),
@@ -287,6 +316,7 @@ def quantify_safety(
     device: torch.device | str = "cpu",
     outputs: str = "auto",
     shard: Any = None,
+    plan: SearchPlan = SearchPlan(search="coordinate"),
 ) -> SafetyQuantification:
     """:func:`lipschitz_search` (and :func:`certified_radius` with a ``certification``) over ``data``.
 
@@ -308,6 +338,12 @@ def quantify_safety(
     ``shard``: this torchrun rank's :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the data; the draws are
     keyed by the global input index, and the engine is all-reduced, so every rank gets the
     single-process result.
+
+    ``plan`` (:class:`~.options.SearchPlan`): which search runs — resolved on the first batch from one input's size
+    (:func:`.scale.plan_search`), refused with a :class:`ConfigError` naming the estimate when it exceeds
+    ``plan.max_queries`` forwards per input. ``"gradient"``: the estimate is a minimum-norm attack's nearest
+    adversarial distance and the attack is the check; ``"certified"``: no estimate, a PGD check of
+    ``plan.attack_steps`` steps inside the certified radius.
     """
     from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
 
@@ -329,16 +365,38 @@ def quantify_safety(
             bounded = BoundedModel(model)
         except UnsupportedLayerError as exc:
             reason = str(exc)
+    if plan.search == "certified" and statistic == "estimate":
+        raise ConfigError("@pytest.mark.min_safe_radius: search='certified' computes no estimate, but "
+                          "statistic='estimate' gates it. Fix: use search='gradient' or 'coordinate', or gate the "
+                          "certified radius (statistic='certified').")
     engines: list[SafeRadiusEngine] = []  # built on the first batch (the inputs' shape and dtype)
     outputs_seen, settings = outputs, {}
+    chosen: dict[str, Any] = {}  # the resolved search, its estimate and bound method (on the first batch)
     pgd_reason: str | None = None if gated.pgd_check else "pgd_check=False"
 
     def step(batch: Batch) -> None:
-        nonlocal outputs_seen, settings, bounded, reason, pgd_reason
+        nonlocal outputs_seen, settings, bounded, reason, pgd_reason, certified
         x, start = batch.x, batch.start
-        res = lipschitz_search(model, x, safety, search, seed=seed, index_offset=start, outputs=outputs_seen,
-                               guard=guard)
-        outputs_seen, settings = res.outputs, res.settings  # detected once, on the first batch
+        if not chosen:
+            bound = certified
+            if certified == "crown" and plan.auto_bound and plan.search != "coordinate":
+                bound = "ibp" if plan_search(plan, math.prod(x.shape[1:]), search, "ibp", steps)[0] != \
+                    "coordinate" else "crown"
+            mode, queries, _ = plan_search(plan, math.prod(x.shape[1:]), search, bound, steps)
+            chosen.update(search=mode, queries=queries)
+            certified = bound
+        mode = chosen["search"]
+        if mode == "coordinate":
+            res = lipschitz_search(model, x, safety, search, seed=seed, index_offset=start, outputs=outputs_seen,
+                                   guard=guard)
+        else:
+            res = gradient_search(model, x, safety, plan if mode == "gradient" else SearchPlan(attack_steps=0),
+                                  outputs=outputs_seen, guard=guard, max_batch=max_batch)
+            if mode == "certified":
+                res = replace(res, radius=torch.where(res.applicable, torch.full_like(res.s, math.nan), res.radius))
+        outputs_seen, settings = res.outputs, {**res.settings, "search": mode}  # detected once, on the first batch
+        if mode != "coordinate":
+            settings["attack_steps"] = plan.attack_steps
         if not engines:
             engines.append(SafeRadiusEngine(worst, tuple(res.x_hat.shape[1:]), str(res.x_hat.dtype).split(".")[-1],
                                             device=res.s.device))
@@ -351,7 +409,21 @@ def quantify_safety(
                 bounded, reason = None, why
         xin = x.to(res.x_hat.dtype)
         unsafe, pgd = res.unsafe_distance, None
-        if pgd_reason is None:
+        if pgd_reason is None and mode == "gradient":  # the attack is the check: its nearest adversarial distances
+            pgd = torch.where(res.applicable, res.unsafe_distance, torch.full_like(res.unsafe_distance, math.inf))
+        elif pgd_reason is None and mode == "certified":  # PGD inside the certified radius
+            if cert is not None:
+                found = pgd_nearest_unsafe(
+                    model, xin, settings["expression"], settings["eps"], outputs_seen, res.top, res.other,
+                    torch.nan_to_num(cert, nan=0.0) * _INSIDE, norm="linf",
+                    clip=settings["clip"] and tuple(settings["clip"]), steps=plan.attack_steps, restarts=1,
+                    seed=seed, index=batch.rows.to(xin.device), max_batch=max_batch, guard=guard)
+                if found is None:
+                    pgd_reason = _NO_GRADIENT
+                else:
+                    pgd = torch.where(res.applicable, found[0], torch.full_like(found[0], math.inf))
+                    unsafe = torch.minimum(unsafe, pgd)
+        elif pgd_reason is None:
             # PGD inside the estimated radius and, when it is gated, the certified one (one batch of 2N rows)
             claims = [res.radius] + ([cert] if statistic == "certified" and cert is not None else [])
             radii = torch.nan_to_num(torch.cat(claims), nan=0.0) * _INSIDE
@@ -394,8 +466,9 @@ def quantify_safety(
     else:
         value = math.nan if cert_all is None else _quantile(cert_all, float(quantile))
     listed, points = _worst_list(engine, out["worst_rows"], norm, cert_all is not None)
-    settings = {**settings, "statistic": statistic, "certified": certified, "pgd_steps": iterations,
-                "pgd_restarts": starts}
+    settings = {**settings, "statistic": statistic, "certified": certified,
+                "pgd_steps": iterations if chosen.get("search") == "coordinate" else plan.attack_steps,
+                "pgd_restarts": starts if chosen.get("search") == "coordinate" else 1}
     return SafetyQuantification(
         value=value, quantile=float(quantile), n=out["n"], s=out["s"], q=out["q"], radius=out["radius"],
         iterations=out["iterations"], evaluations=out["evaluations"], converged=out["converged"],
@@ -404,7 +477,8 @@ def quantify_safety(
         certified_method=certified if cert_all is not None else None,
         certified_reason=None if cert_all is not None else (reason or "not requested (certified=False)"),
         statistic=statistic, q_ratio=out["q_ratio"], q_gradient=out["q_gradient"],
-        pgd_distance=out["pgd"] if pgd_reason is None else None, pgd_reason=pgd_reason)
+        pgd_distance=out["pgd"] if pgd_reason is None else None, pgd_reason=pgd_reason,
+        search=chosen.get("search", "coordinate"), queries=chosen.get("queries"))
 
 
 def _worst_list(engine: SafeRadiusEngine, rows: Tensor | None, norm: str,

@@ -9,6 +9,8 @@ dataclasses, each validated once when it is built, with the messages the keyword
 * :class:`SearchBudget` — the pattern search and its gradient-norm seeds: the poll method, iterations
   and starts, the mesh rules, the ascents, the rows per forward pass and per poll tensor;
 * :class:`Certification` — the certified radius: the bound method (CROWN or IBP) and its bisection steps;
+* :class:`SearchPlan` — which search runs (coordinate, gradient, certified only, or auto), its query budget per
+  input and the attack's steps (:mod:`.scale`);
 * :class:`GatedRadius` — what a data set's summary gates and keeps: the statistic, its quantile, the
   worst inputs listed and the PGD check.
 
@@ -26,10 +28,13 @@ from pytest_dnnsafety.engines.perturb.adversarial import check_clip
 from pytest_dnnsafety.engines.quantification.common import BOUND_METHODS, NORMS, SEARCHES, _check_expression, _real
 from pytest_dnnsafety.errors import ConfigError
 
-__all__ = ["SafetyProperty", "SearchBudget", "Certification", "GatedRadius", "STATISTICS"]
+__all__ = ["SafetyProperty", "SearchBudget", "Certification", "GatedRadius", "SearchPlan", "STATISTICS",
+           "SEARCH_MODES"]
 
 #: What the ``min_safe_radius`` gate compares: the proved radius, or the search's estimate (asked for explicitly).
 STATISTICS = ("certified", "estimate")
+#: Which search estimates the safe radius (see :mod:`.scale`).
+SEARCH_MODES = ("auto", "coordinate", "gradient", "certified")
 
 
 def _set(record: Any, **values: Any) -> None:
@@ -156,3 +161,23 @@ class GatedRadius:
         _set(self, quantile=float(self.quantile), worst=check_count(self.worst, "worst", 0),
              statistic=check_choice(self.statistic, "statistic", STATISTICS,
                                     "use 'certified' (the proved radius, the default) or 'estimate' (the heuristic)."))
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """Which search estimates the radius (:mod:`.scale`): ``search`` one of :data:`SEARCH_MODES`; ``max_queries``:
+    the most single-input forwards per input (a gradient step counts 3) — the chosen search's estimate above it is
+    refused before any work; ``attack_steps``: the gradient steps of the minimum-norm attack (``"gradient"``) or of
+    the PGD check (``"certified"``); ``auto_bound``: ``certified=True`` was given (not a named method), so the
+    certificate uses CROWN for the coordinate search and IBP for the others."""
+
+    search: str = "auto"
+    max_queries: int = 2_000_000
+    attack_steps: int = 10
+    auto_bound: bool = False
+
+    def __post_init__(self) -> None:
+        _set(self, search=check_choice(self.search, "search", SEARCH_MODES,
+                                       "use 'auto', 'coordinate', 'gradient' or 'certified'."),
+             max_queries=check_count(self.max_queries, "max_queries", 1),
+             attack_steps=check_count(self.attack_steps, "attack_steps", 0))

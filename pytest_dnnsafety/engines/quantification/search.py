@@ -12,6 +12,7 @@ from torch import Tensor
 from pytest_dnnsafety.engines.core.guard import ForwardGuard
 from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs, log_probs
 from pytest_dnnsafety.data.checks import check_count
+from pytest_dnnsafety.runtime.progress import tick
 from pytest_dnnsafety.engines.quantification.common import (
     _INCREASE, _NEAR, _applicable, _check_inputs, _check_label_range, _check_outputs, _classes, _evaluate, _forward,
     _gaussian, _to_model, _uniform, lp_norm, project_ball,
@@ -200,6 +201,7 @@ def lipschitz_search(
         for k in range(iterations):
             if active.numel() == 0:
                 break
+            tick(k, iterations, "polls")
             for c0 in range(0, active.numel(), chunk):
                 idx = active[c0:c0 + chunk]
                 c = idx.numel()
