@@ -10,6 +10,7 @@ from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.report.plots import plot_cells
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import pmi_cost
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = ["MAX_PMI_UB", "pytest_dnnsafety_register_gates"]
@@ -36,10 +37,10 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     from pytest_dnnsafety.engines.reliability.ranks import assess_over_ranks, labelled_points
 
     opts = spec.options
-    labelled = labelled_points(fx["data"], opts["cells"], spec.fixtures["data"])
+    labelled = labelled_points(fx["data"], opts["cells"], spec.fixtures["data"], stream=opts["latent"] is not None)
     defaults = {param.name: param.default for param in spec.definition.params}
-    given = {k: v for k, v in opts.items() if v != defaults[k] and k not in ("compare_methods", "cells_file",
-                                                                             "max_queries")}
+    engine_side = ("compare_methods", "cells_file", "max_queries", "latent") + (("clip",) if opts["latent"] else ())
+    given = {k: v for k, v in opts.items() if v != defaults[k] and k not in engine_side}
     cap = (ctx.settings.get("max_queries", opts["max_queries"], marker=spec.marker)
            if opts["max_queries"] is not None else ctx.settings.get("max_queries"))
     cells_file = (None if opts["cells_file"] is None  # relative to the rootdir, like other gate files
@@ -47,9 +48,43 @@ def _measure_pmi_ub(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> 
     compare = tuple(m for m in opts["compare_methods"] if m != opts["method"])
     options = ReliabilityOptions.of(**given, compare_methods=compare, seed=ctx.seed, device=ctx.device,
                                     max_queries=cap.value)
-    result = assess_over_ranks(fx["model"], fx["profile"], labelled, options, cells_file=cells_file,
+    profile = fx["profile"] if opts["latent"] is None else _latent_profile(fx["profile"], opts, ctx)
+    result = assess_over_ranks(fx["model"], profile, labelled, options, cells_file=cells_file,
                                cap_source=cap.source)
     return Measurement(value=result.E, bound=result.Ub, details=result.to_details(), **result.verdict())
+
+
+def _latent_profile(data: Any, opts: Mapping[str, Any], ctx: GateContext) -> Any:
+    """``latent=``: the operational profile in a latent space — a PCA of ``latent`` components fitted in passes
+    over the operational data, or the encoder/decoder a ``pkg.module:make`` factory returns."""
+    from pytest_dnnsafety.engines.reliability.latent import latent_profile
+    from pytest_dnnsafety.errors import ConfigError
+    from pytest_dnnsafety.files.loading import import_factory
+
+    if opts["cells"] != "grid":
+        raise ConfigError("max_pmi_ub: latent= puts grid cells in a latent space; cells='balls' are norm balls in "
+                          "input space. Fix: drop latent= (balls in input space) or drop cells='balls' (grid cells "
+                          "in the latent space)")
+    latent = opts["latent"]
+    if isinstance(latent, str):
+        make = import_factory(latent, "max_pmi_ub(latent=...)", ctx.settings.ini_dir)
+        try:
+            latent = make()
+        except Exception as exc:
+            raise ConfigError(f"max_pmi_ub(latent={opts['latent']!r}): the factory raised {type(exc).__name__}: "
+                              f"{exc}. Fix: called with no arguments it must return an object with encode/decode "
+                              f"methods or an (encoder, decoder) pair") from exc
+    return latent_profile(data, latent, clip=opts["clip"], device=ctx.device,
+                          bandwidth="scott" if opts["bandwidth"] is None else opts["bandwidth"])
+
+
+def _latent(value: Any) -> str | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    if isinstance(value, str) and ":" in value:
+        return None
+    return (f"{value!r} must be None (input space), a positive number of PCA components (e.g. 16) or "
+            f"'package.module:make' returning an encoder/decoder pair")
 
 
 #: The bound methods the marker accepts (checked against ``stats.METHODS`` by a test; no torch here).
@@ -168,12 +203,18 @@ MAX_PMI_UB = GateDef(
         Param("cells_file", (str, PurePath, type(None)), None, None,
               "a .csv (or .jsonl) path, relative to the rootdir, for the per-cell audit table (mass, type, "
               "lambda-hat, samples); its path appears in the gate's details"),
+        Param("latent", (int, str, type(None)), None, _latent,
+              "the operational profile in a latent space, for inputs above 1,024 values (images): an int k (a "
+              "PCA of k components fitted in passes over the operational data) or 'package.module:make' "
+              "returning an object with encode/decode (or an (encoder, decoder) pair); the KDE and the grid "
+              "cells live there and the model is queried on decoded samples. None: input space"),
         Param("accept_violated_assumptions", (bool,), False, None,
               "True compares the bound even when an assumption (e.g. eps < r-hat) is violated; default: "
               "the gate is inconclusive"),
     ),
     fixtures={"model": "model", "profile": "operational_profile", "data": "dataset"},
     measure=_measure_pmi_ub,
+    cost=pmi_cost,
     shards=True,  # each rank samples its share of the Monte Carlo blocks
     doc="fail unless the upper confidence bound on the probability of misclassification per input "
         "under the operational profile is at most `threshold` (Zhao et al. 2021, eqs. 5-7)",

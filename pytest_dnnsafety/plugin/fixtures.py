@@ -7,6 +7,7 @@ masks, the scenario table).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,20 +26,52 @@ def load_operational_profile(settings: Settings, device: torch.device) -> Any:
     """An :class:`~pytest_dnnsafety.engines.reliability.profile.OperationalProfile` from ``dnnsafety_operational_data``.
 
     A ``pkg.module:factory`` may return a ready profile (e.g. one in a PCA latent space) or
-    operational data; a file holds the data. Data gets a Gaussian KDE with Scott's bandwidth.
+    operational data; a file holds the data. Data gets a Gaussian KDE with Scott's bandwidth — up to
+    :data:`~pytest_dnnsafety.engines.reliability.latent.KDE_MAX_DIM` values per input. Above it (images) no
+    KDE is fitted: the data come back as
+    :class:`~pytest_dnnsafety.engines.reliability.latent.OperationalInputs`, read in blocks by ball cells
+    (a ``.npy`` file a slice of rows at a time, a factory's ``DataLoader`` batch by batch) or encoded for
+    ``latent=``, never held whole.
     """
+    from pytest_dnnsafety.engines.reliability.latent import KDE_MAX_DIM, NpyRows, OperationalInputs
     from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
     resolved = settings.require("operational_data", "the operational profile")
+    label = f"operational data (dnnsafety_operational_data={resolved.value!r} from {resolved.source})"
     if resolved.is_factory:
         made = call_factory(resolved, settings, "an OperationalProfile or operational data", DataError)
         if isinstance(made, OperationalProfile):
             return made
-        x, _ = as_tensors(made, f"operational data (dnnsafety_operational_data={resolved.value!r} "
-                                f"from {resolved.source})")
+        if isinstance(made, torch.utils.data.DataLoader) and _values_per_input(made) > KDE_MAX_DIM:
+            return OperationalInputs(made, label)  # streamed: batch by batch
+        x, _ = as_tensors(made, label)
     else:
+        path = existing_file(settings, resolved)
+        if path.suffix.lower() == ".npy" and path.is_file():  # a regular file (not a FIFO, not a folder)
+            try:
+                rows: Any = NpyRows(path, label)
+            except DataError:
+                rows = None  # the whole-file reader below names what is wrong with it
+            if rows is not None and math.prod(rows.shape[1:]) > KDE_MAX_DIM:
+                return OperationalInputs(rows, label)  # a slice of rows at a time
         x = load_operational_data(settings)
+    if x.ndim > 1 and x[0].numel() > KDE_MAX_DIM:
+        return OperationalInputs(x, label)
     return OperationalProfile(x, device=device)
+
+
+def _values_per_input(loader: Any) -> int:
+    """Values per input of a ``DataLoader``'s data (its dataset's first item, or its first batch)."""
+    try:
+        item = loader.dataset[0]
+        batched = False
+    except (TypeError, IndexError, NotImplementedError, KeyError):
+        item, batched = next(iter(loader), None), True
+    x = item[0] if isinstance(item, (tuple, list)) else item.get("x") if isinstance(item, Mapping) else item
+    if x is None or not hasattr(x, "shape"):
+        return 0
+    shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
+    return math.prod(shape) if shape else 1
 
 
 def load_masks(settings: Settings) -> Any:

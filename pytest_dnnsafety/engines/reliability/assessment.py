@@ -43,11 +43,30 @@ from pytest_dnnsafety.engines.reliability.result import (
     ReliabilityResult,
 )
 from pytest_dnnsafety.engines.reliability.sampler import MonteCarloSampler
-from pytest_dnnsafety.engines.reliability.streamed import StreamedBalls
+from pytest_dnnsafety.engines.reliability.latent import KDE_MAX_DIM, OperationalInputs, high_dimensional_error
+from pytest_dnnsafety.engines.reliability.streamed import RowSource, StreamedBalls, is_streamed
 from pytest_dnnsafety.engines.reliability.tally import CellTallyEngine
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.engines.reliability.options import ReliabilityOptions
 from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
+
+
+def _check_kde_dim(profile: Any) -> None:
+    """Grid cells fit a KDE in the profile's space: refuse raw inputs above :data:`KDE_MAX_DIM` values (naming
+    ``cells="balls"`` and ``latent=``) before anything of their size is allocated."""
+    if isinstance(profile, OperationalProfile):
+        dim = 0 if profile.latent else profile.dim
+    elif isinstance(profile, OperationalInputs):
+        first = next(iter(profile.batches()), None)
+        dim = 0 if first is None else int(first[0].numel())
+    elif isinstance(profile, torch.utils.data.DataLoader):
+        raise ConfigError("max_pmi_ub: grid cells fit a KDE on the operational data, which a DataLoader does not "
+                          "hold. Fix: cells='balls' (streamed), or latent=<int> for a KDE in a PCA latent space")
+    else:
+        shape = getattr(profile, "shape", None)
+        dim = math.prod(shape[1:]) if shape is not None and len(shape) > 1 else 0
+    if dim > KDE_MAX_DIM:
+        raise high_dimensional_error(dim, "the operational profile")
 
 
 class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAggregator):
@@ -99,6 +118,7 @@ class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAg
             return
 
         # ---------------------------------------------------------------- profile
+        _check_kde_dim(profile)
         if not isinstance(profile, OperationalProfile):
             profile = OperationalProfile(profile, "scott" if bandwidth is None else bandwidth, device=device)
         elif bandwidth is not None:
@@ -107,7 +127,15 @@ class ReliabilityAssessor(CellPlanner, StreamedBalls, MonteCarloSampler, BoundAg
         self.device = profile.device if device is None else torch.device(device)
 
         # ---------------------------------------------------------------- labelled points, r̂
-        if labelled is not None:
+        if labelled is not None and is_streamed(labelled):  # a latent profile: encoded a batch at a time
+            lab = RowSource(labelled, "labelled data", profile.device, labelled=True)
+            lab.scan()
+            assert lab.labels is not None
+            z_lab = torch.cat([profile.encode(raw) for _, _, raw in lab.batches()])
+            y_lab = lab.labels
+            self._lab_source = lab
+            self.r_hat = r_separation(z_lab, y_lab)
+        elif labelled is not None:
             if not isinstance(labelled, (tuple, list)) or len(labelled) != 2:
                 raise DataError("labelled must be a pair (inputs, labels)")
             self._x_lab_raw = _raw_tensor(labelled[0])

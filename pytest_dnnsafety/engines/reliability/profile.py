@@ -139,6 +139,13 @@ def _trailing_shape(data: Any, width: int) -> tuple[int, ...]:
     return (width,)
 
 
+def _column_variance(points: Tensor) -> Tensor:
+    """The unbiased variance of each column of ``points`` ``(N, d)``, a block of columns at a time (no ``(N, d)``
+    temporary beyond :data:`_CHUNK_ELEMS` values)."""
+    step = max(1, _CHUNK_ELEMS // max(1, int(points.shape[0])))
+    return torch.cat([points[:, k : k + step].var(0, unbiased=True) for k in range(0, int(points.shape[1]), step)])
+
+
 def _ndtr(x: Tensor) -> Tensor:
     """``Φ(x) = erfc(−x/√2)/2``, accurate far into the lower tail (``torch.special.ndtr`` is 0 below about −8.3)."""
     return 0.5 * torch.special.erfc(-x / _SQRT2)
@@ -204,7 +211,6 @@ class OperationalProfile:
         self.n, self.dim = int(points.shape[0]), int(points.shape[1])
         self._bandwidth_spec = bandwidth
         self.factor: float | None = None
-        self.covariance: Tensor
         self.bandwidth: Tensor | None
         self._set_bandwidth(bandwidth)
 
@@ -240,13 +246,14 @@ class OperationalProfile:
                     f"got {n}. Fix: give more data or a numeric bandwidth"
                 )
             self.factor = n ** (-1.0 / (d + 4)) if rule == "scott" else (n * (d + 2) / 4.0) ** (-1.0 / (d + 4))
-            centred = self.points - self.points.mean(0, keepdim=True)
-            data_cov = centred.T @ centred / (n - 1)
             if self.full_covariance:
-                cov = data_cov * self.factor**2
+                centred = self.points - self.points.mean(0, keepdim=True)
+                cov = centred.T @ centred / (n - 1) * self.factor**2
                 self._set_full(cov, f"rule {rule!r}")
                 return
-            std = data_cov.diagonal().sqrt()
+            # diagonal kernels need the per-dimension variances only: never the (d, d) covariance, which
+            # for a 3x224x224 image is 150,528² float64 values (181 GB)
+            std = _column_variance(self.points).sqrt()
             flat = torch.nonzero(std <= 0).reshape(-1).tolist()
             if flat:
                 raise ConfigError(
@@ -286,8 +293,10 @@ class OperationalProfile:
 
     def _set_diagonal(self, h: Tensor) -> None:
         self.bandwidth = h.to(self.device, torch.float64)
-        self.covariance = torch.diag(self.bandwidth**2)
-        self._chol = torch.diag(self.bandwidth)
+        # diagonal kernels keep their d bandwidths only: the (d, d) matrices are made on request
+        # (:attr:`covariance`), never at fit time (150,528² float64 values for a 3x224x224 image)
+        self._full_cov: Tensor | None = None
+        self._chol: Tensor | None = None
         self._log_norm = float(torch.log(self.bandwidth).sum()) + self.dim * _LOG_SQRT_2PI
 
     def _set_full(self, cov: Tensor, what: str) -> None:
@@ -300,7 +309,7 @@ class OperationalProfile:
                 f"Fix: use full_covariance=False, or give a bandwidth"
             )
         self.bandwidth = None
-        self.covariance = cov
+        self._full_cov = cov
         self._chol = chol
         self._log_norm = float(torch.log(chol.diagonal()).sum()) + self.dim * _LOG_SQRT_2PI
 
@@ -312,6 +321,14 @@ class OperationalProfile:
         clone.factor = None
         clone._set_bandwidth(bandwidth)
         return clone
+
+    @property
+    def covariance(self) -> Tensor:
+        """The kernel covariance ``H`` ``(d, d)``: ``diag(h²)`` for diagonal kernels (made on request)."""
+        if self._full_cov is not None:
+            return self._full_cov
+        assert self.bandwidth is not None
+        return torch.diag(self.bandwidth**2)
 
     # ------------------------------------------------------------------ spaces
     @property

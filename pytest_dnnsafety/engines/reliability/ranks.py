@@ -32,17 +32,19 @@ from pytest_dnnsafety.errors import MetricError
 __all__ = ["labelled_points", "assess_over_ranks"]
 
 
-def labelled_points(data: Any, cells: str, fixture: str) -> Any:
+def labelled_points(data: Any, cells: str, fixture: str, *, stream: bool = False) -> Any:
     """The labelled data of ``fixture`` (its name, for the messages) as the assessment reads them.
 
     ``cells="balls"`` and a ``DataLoader``: the loader itself (streamed); otherwise ``(x, y)`` tensors
-    (:func:`~pytest_dnnsafety.data.forms.as_tensors`). Data without labels are a :class:`MetricError`.
+    (:func:`~pytest_dnnsafety.data.forms.as_tensors`). ``stream`` (a latent profile, ``latent=``) keeps a
+    ``DataLoader`` for grid cells too: the assessor encodes it a batch at a time. Data without labels are a
+    :class:`MetricError`.
     """
     from torch.utils.data import DataLoader
 
     from pytest_dnnsafety.data.forms import as_tensors
 
-    if cells == "balls" and isinstance(data, DataLoader):
+    if (cells == "balls" or stream) and isinstance(data, DataLoader):
         labelled: Any = data  # streamed by the engine: read in passes, never held whole
     else:  # whole, not sharded: r-separation and the cell labels need every labelled point
         labelled = as_tensors(data, f"labelled data (fixture {fixture!r})")

@@ -85,7 +85,15 @@ class MonteCarloSampler:
 
     @property
     def _block(self) -> int:
-        return block_size(self.cell_kind, self._sample_dim)
+        values = self._model_values()  # a latent grid decodes to the model's inputs: blocks sized by those
+        return block_size("balls", values) if values > 1024 else block_size(self.cell_kind, self._sample_dim)
+
+    def _model_values(self) -> int:
+        """Values per model input: the sampled dimension, or for a latent grid the decoded input's size."""
+        profile = getattr(self, "profile", None)
+        if self.cell_kind != "balls" and profile is not None and profile.latent:
+            return max(self._sample_dim, math.prod(profile.input_shape))
+        return self._sample_dim
 
     def _sample_dtype(self) -> torch.dtype:
         if self.cell_kind == "balls":
@@ -448,9 +456,9 @@ class MonteCarloSampler:
         self._lab_pred = pred.cpu()
 
     def _initial_blocks(self) -> int:
-        if self.cell_kind == "balls" and self._block < BLOCK:  # images: a batch of about BALL_BATCH_ELEMS values
+        if self._block < BLOCK:  # images (balls, decoded latent samples): a batch of about BALL_BATCH_ELEMS values
             budget = BALL_BATCH_ELEMS * (1 if self.device.type == "cpu" else 16)
-            return max(1, budget // (self._block * self._sample_dim))
+            return max(1, budget // (self._block * self._model_values()))
         return 2 if self.device.type == "cpu" else 64
 
     def _autotune(self, adapter: _ModelAdapter, engine: CellTallyEngine, block: int, last: int,
@@ -459,7 +467,7 @@ class MonteCarloSampler:
         # CPU: small multiples of BLOCK (a tiny MLP is fastest at 12k–16k inputs, while activations fit
         # the caches); accelerators: large batches
         candidates = [1, 2, 3, 4, 6, 8] if self.device.type == "cpu" else [16, 64, 256]
-        if self.cell_kind == "balls" and self._block < BLOCK:  # images: around the memory-bounded first batch
+        if self._block < BLOCK:  # images: around the memory-bounded first batch
             base = self._initial_blocks()
             candidates = [max(1, base // 2), base, 2 * base, 4 * base]
         if last - block < 4 * sum(candidates):

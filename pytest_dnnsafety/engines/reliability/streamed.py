@@ -42,6 +42,7 @@ from torch import Tensor
 from pytest_dnnsafety.data.forms import _split_batch, check_loader_order
 from pytest_dnnsafety.engines.reliability.cells import EMPTY, _ball_distances, ball_types
 from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.engines.reliability.latent import OperationalInputs
 from pytest_dnnsafety.engines.reliability.profile import OperationalProfile
 
 #: The most input values held at once in a block of the nested passes (256 MiB of float32).
@@ -49,8 +50,9 @@ STREAM_ELEMS = 1 << 26
 
 
 def is_streamed(data: Any) -> bool:
-    """Whether ball-cell data are read batch by batch (a ``DataLoader``) rather than held."""
-    return isinstance(data, torch.utils.data.DataLoader)
+    """Whether ball-cell data are read batch by batch (a ``DataLoader``, or :class:`OperationalInputs`: e.g. a
+    ``.npy`` file of images read a slice at a time) rather than held."""
+    return isinstance(data, (torch.utils.data.DataLoader, OperationalInputs))
 
 
 class RowSource:
@@ -61,8 +63,10 @@ class RowSource:
     """
 
     def __init__(self, loader: Any, what: str, device: torch.device, *, labelled: bool) -> None:
-        if is_streamed(loader):
+        if isinstance(loader, torch.utils.data.DataLoader):
             check_loader_order(loader, what)
+        elif isinstance(loader, OperationalInputs) and isinstance(loader.source, torch.utils.data.DataLoader):
+            check_loader_order(loader.source, what)
         self.loader, self.what, self.device, self.labelled = loader, what, device, labelled
         self.n = 0
         self.dim = 0
@@ -71,6 +75,10 @@ class RowSource:
         self.passes = 0
 
     def _raw(self) -> Iterator[tuple[Tensor, Tensor | None]]:
+        if isinstance(self.loader, OperationalInputs):  # unlabelled inputs read a batch (or file slice) at a time
+            for x in self.loader.batches():
+                yield (x[:, None] if x.ndim == 1 else x), None
+            return
         if not is_streamed(self.loader):  # held data beside a streamed set: ``(x, y)`` read in slices
             x_all, y_all = self.loader
             x_all = x_all.detach() if isinstance(x_all, Tensor) else torch.as_tensor(np.asarray(x_all))
@@ -157,11 +165,15 @@ class RowSource:
     def blocks(self, rows: Tensor | None = None) -> Iterator[tuple[Tensor, Tensor]]:
         """A new pass in blocks of at most :data:`STREAM_ELEMS` values: ``(row indices, inputs)``.
 
-        ``rows`` (sorted) keeps only those inputs (e.g. the balls of a ``max_balls`` subsample).
+        ``rows`` (sorted) keeps only those inputs (e.g. the balls of a ``max_balls`` subsample). One
+        buffer is filled and yielded again and again: a block is valid until the next is asked for
+        (the nested loops use it only inside their loop body), so a pass holds one block, not two.
         """
         limit = max(1, STREAM_ELEMS // max(1, self.dim))
-        held_idx: list[Tensor] = []
-        held_x: list[Tensor] = []
+        total = self.n if rows is None else int(rows.numel())
+        size = max(1, min(limit, total))
+        buf = torch.empty(size, self.dim, dtype=torch.float64, device=self.device)
+        idx_buf = torch.empty(size, dtype=torch.int64)
         count = 0
         for start, flat, _ in self.batches():
             idx = torch.arange(start, start + flat.shape[0])
@@ -169,16 +181,16 @@ class RowSource:
                 keep = torch.isin(idx, rows)
                 idx, flat = idx[keep], flat[keep.to(flat.device)]
             while idx.numel():
-                take = min(limit - count, int(idx.numel()))
-                held_idx.append(idx[:take])
-                held_x.append(flat[:take])
+                take = min(size - count, int(idx.numel()))
+                buf[count : count + take] = flat[:take]
+                idx_buf[count : count + take] = idx[:take]
                 idx, flat = idx[take:], flat[take:]
                 count += take
-                if count == limit:
-                    yield torch.cat(held_idx), torch.cat(held_x)
-                    held_idx, held_x, count = [], [], 0
+                if count == size:
+                    yield idx_buf, buf
+                    count = 0
         if count:
-            yield torch.cat(held_idx), torch.cat(held_x)
+            yield idx_buf[:count], buf[:count]
 
 
 def streamed_r_separation(source: RowSource, norm: str) -> float:
