@@ -112,6 +112,9 @@ def _check_evidence(data: Any) -> str | None:
     env = data.get("environment", {})
     if not isinstance(env, dict):
         return "'environment' is not an object"
+    if data.get("complete") is False:
+        return ("its run did not finish (\"complete\": false: it was killed or timed out, and the file holds only "
+                "the gates that finished); save the baseline from a run that finished")
     return None
 
 

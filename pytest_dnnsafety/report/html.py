@@ -6,7 +6,9 @@ and nothing is recomputed. It holds:
 
 * the verdict of the run first (a banner), then the count of gates by verdict;
 * the run's header: versions, device, seed, workers, created time, the configured inputs and their
-  sha256 digests, and the tests whose gates were lost;
+  sha256 digests, the shared forward passes (each timed as its own row: images, seconds, images/s,
+  the gate that needed it first; not counted in the gates' seconds), and the tests whose gates were lost;
+  a page from an evidence dict with ``"complete": false`` says the run did not finish;
 * an index of the gates (failing ones first) linking to one card per gate: verdict with its colour,
   the compared number (the bound when there is one) against the threshold and operator, the
   summary line, the baseline comparison (``gate["baseline"]``, when present), the inputs the gate
@@ -307,7 +309,16 @@ def render_html(evidence: dict[str, Any], plots: Mapping[str, PlotFn] | None = N
                            "path": record.get("path"), "digest": record.get("digest"),
                            "other": [f"{k}: {v}" for k, v in record.items()
                                      if k not in ("spec", "source", "path", "digest")]})
+    passes = [{"what": f"{p.get('model') or 'model'} × {p.get('data') or 'data'}",
+               "layers": ", ".join(str(x) for x in p.get("layers") or []) or "outputs only",
+               "images": p.get("images") if p.get("images") is not None else "–", "seconds": _fmt(p.get("seconds")),
+               "rate": _fmt(p.get("images_per_second")) if p.get("images_per_second") is not None else "–",
+               "by": f"{p.get('nodeid', '')} [{p.get('marker', '')}]" + (f" on {p['worker']}" if p.get("worker") else ""),
+               "error": p.get("error")}
+              for p in evidence.get("shared_passes") or [] if isinstance(p, dict)]
     return template.render(
+        complete=evidence.get("complete", True) is not False,
+        shared_passes=passes,
         schema=evidence.get("schema", ""),
         created=evidence.get("created", ""),
         overall={"text": overall[0], "css": overall[1], "why": overall[2]},

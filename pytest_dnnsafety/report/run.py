@@ -4,7 +4,10 @@ The process that reports a run (the only process, the pytest-xdist controller, o
 0) hands its gate rows here once: the JSON evidence, the HTML page and the baseline file are written
 from the same evidence dict, the GitHub job summary is appended, and the JUnit file pytest wrote
 gets the gates' properties. A failed write is recorded, never raised: the caller fails the run and
-the terminal section names the file. Nothing here imports torch or pytest.
+the terminal section names the file. While the run goes on, :func:`write_partial` writes the JSON evidence
+(``"complete": false``) and a JUnit file of the finished tests from a :class:`~.partial.Snapshot` (see
+:mod:`.partial`); the HTML page and the baseline are written at the end only. Nothing here imports torch or
+pytest.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any, Callable, Mapping, Sequence
 from pytest_dnnsafety.errors import DnnSafetyError
 from pytest_dnnsafety.results import STATUSES, GateResult
 from pytest_dnnsafety.report.plots import PlotFn
+from pytest_dnnsafety.report.partial import Snapshot
 
-__all__ = ["Targets", "Written", "write_outputs", "junit_properties"]
+__all__ = ["Targets", "Written", "write_outputs", "write_partial", "junit_properties"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,12 @@ class Targets:
     #: the HTML page's plot table (details key -> plot function of :mod:`.plots`), from the run's gate
     #: families; None draws the built-in plots
     plots: Mapping[str, PlotFn] | None = None
+    #: the JUnit ``<testsuite name>`` (pytest's ``junit_suite_name``), for the JUnit file written during the run
+    junit_suite_name: str = "pytest"
+
+    def partial(self) -> bool:
+        """Whether anything is written while the run goes on (the JSON evidence or a JUnit file)."""
+        return self.evidence is not None or bool(self.junitxml)
 
 
 @dataclass
@@ -71,8 +81,24 @@ def junit_properties(rows: Sequence[GateResult], environment: dict[str, Any]) ->
     return props
 
 
+def write_partial(snapshot: Snapshot, targets: Targets) -> None:
+    """The JSON evidence (``"complete": false``, the finished gates) and a JUnit file of the finished tests, each
+    written atomically; raises on a failed write (:class:`~.partial.PartialWriter` counts it)."""
+    from pytest_dnnsafety.report.evidence import build_evidence, write_evidence, write_text_atomic
+    from pytest_dnnsafety.report.junit import partial_junit
+
+    if targets.evidence is not None:
+        write_evidence(targets.evidence, build_evidence(snapshot.rows, snapshot.environment, snapshot.lost,
+                                                        complete=False, shared_passes=snapshot.shared_passes))
+    if targets.junitxml:
+        write_text_atomic(Path(targets.junitxml), partial_junit(
+            snapshot.cases, snapshot.rows, snapshot.suite_properties, suite_name=targets.junit_suite_name,
+            testcase_properties=targets.junit_testcase_properties, prefix=targets.junit_prefix,
+            shared_passes=snapshot.shared_passes))
+
+
 def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost: Sequence[str],
-                  targets: Targets) -> Written:
+                  targets: Targets, shared_passes: Sequence[dict[str, Any]] = ()) -> Written:
     """Write every output of the run from one evidence dict; failures are recorded in the answer."""
     from pytest_dnnsafety.report.baseline import save_baseline
     from pytest_dnnsafety.report.evidence import build_evidence, write_evidence
@@ -80,7 +106,7 @@ def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost:
     from pytest_dnnsafety.report.markdown import write_github_step_summary
 
     written = Written()
-    evidence = build_evidence(rows, environment, lost)  # one dict for every output
+    evidence = build_evidence(rows, environment, lost, shared_passes=shared_passes)  # one dict for every output
     files: list[tuple[Path | None, Callable[[Path, dict[str, Any]], Path], str]] = [
         (targets.evidence, write_evidence, "evidence_path"),
         (targets.html, partial(_write_html, plots=targets.plots), "html_path"),
@@ -98,6 +124,7 @@ def write_outputs(rows: Sequence[GateResult], environment: dict[str, Any], lost:
     except OSError as exc:  # the job summary is a convenience: warn, never fail the gates for it
         written.step_summary_error = f"{type(exc).__name__}: {exc}"
     if targets.junitxml and Path(targets.junitxml).is_file():
-        patch_junit(Path(targets.junitxml), rows, junit_properties(rows, environment),
-                    testcase_properties=targets.junit_testcase_properties, prefix=targets.junit_prefix)
+        patch_junit(Path(targets.junitxml), rows, {**junit_properties(rows, environment), "dnnsafety.complete": "true"},
+                    testcase_properties=targets.junit_testcase_properties, prefix=targets.junit_prefix,
+                    shared_passes=shared_passes)
     return written

@@ -1,5 +1,9 @@
 """The ``dependability gates`` terminal section: a header line and one row per gate.
 
+Below the table, one line per shared forward pass (the session's one pass per model and data, timed apart from
+the gates: ``shared forward pass model × dataset (2 layers): 2000 images in 564.20 s (3.5 images/s), first needed
+by ...``).
+
 When any gate was compared with a baseline (``GateResult.baseline``, see :mod:`.baseline`), the
 table gets a ``change`` column: the signed change of the compared number (``+0.012``), ``−0.033 ✗``
 for a regression, ``new`` for a gate the baseline lacks, ``inputs≠`` when the inputs changed.
@@ -106,16 +110,22 @@ def render_table(results: Sequence[GateResult], width: int = 160) -> list[tuple[
 
 
 def write_section(tr: Any, rows: Sequence[GateResult], env: dict[str, Any], lost: Sequence[str], written: Any,
-                  hook_errors: Sequence[str] = ()) -> None:
+                  hook_errors: Sequence[str] = (), *, shared_passes: Sequence[dict[str, Any]] = (),
+                  partial_error: str | None = None) -> None:
     """The ``dependability gates`` section on pytest's terminal reporter ``tr``.
 
     ``written`` is :class:`~pytest_dnnsafety.report.run.Written` (the paths and failed writes);
-    ``hook_errors`` the ``pytest_dnnsafety_gate_result`` implementations that raised.
+    ``hook_errors`` the ``pytest_dnnsafety_gate_result`` implementations that raised; ``shared_passes`` the
+    evidence's shared forward passes; ``partial_error`` why writes during the run failed (a warning).
     """
+    from pytest_dnnsafety.report.junit import pass_line
+
     tr.write_sep("=", "dependability gates")
     tr.write_line(header_line(env))
     for text, markup in render_table(rows):
         tr.write_line(text, **markup)
+    for entry in shared_passes:
+        tr.write_line(f"{pass_line(entry)} (not counted in the gates' seconds)", red=bool(entry.get("error")))
     for r in rows:
         if r.status in ("failed", "error", "inconclusive", "lost"):
             tr.write_line(f"  {r.nodeid}: {r.summary}", red=True)
@@ -130,6 +140,8 @@ def write_section(tr: Any, rows: Sequence[GateResult], env: dict[str, Any], lost
                        ("dependability report (HTML)", written.html_path), ("baseline", written.baseline_path)):
         if path is not None:
             tr.write_line(f"{what} written to {path}")
+    if partial_error is not None:
+        tr.write_line(f"dependability evidence during the run: {partial_error}", yellow=True)
     if written.step_summary_error is not None:
         tr.write_line(f"GitHub job summary not written: {written.step_summary_error}", yellow=True)
     for error in hook_errors:

@@ -445,18 +445,23 @@ def test_json_path_that_cannot_be_written_is_a_usage_error(gate_project: GatePro
 def test_stale_evidence_is_removed_at_start(gate_project: GateProject) -> None:
     stale = gate_project.write("out/e.json", '{"schema": "pytest-dnnsafety/1", "gates": "from an old run"}')
     gate_project.tests(GATED + """
-    def test_no_stale_file_while_running():
-        assert not __import__("os").path.exists("out/e.json")
+    def test_no_stale_file_while_running():  # the file is this run's own, written as its gates finish
+        import json
+        evidence = json.load(open("out/e.json"))
+        assert evidence["complete"] is False and evidence["gates"][0]["nodeid"].endswith("test_cov")
     """)
     gate_project.run("--dnnsafety-json=out/e.json").assert_outcomes(passed=2)
     assert json.loads(stale.read_text())["gates"][0]["status"] == "passed"
+    assert json.loads(stale.read_text())["complete"] is True
     assert sorted(p.name for p in stale.parent.iterdir()) == ["e.json"]
 
 
 def test_failed_write_keeps_the_summary_fails_the_run_and_leaves_no_tmp(gate_project: GateProject) -> None:
     gate_project.tests(GATED + """
     def test_turns_the_target_into_a_folder():
-        __import__("os").mkdir("out/e.json")
+        import os
+        os.remove("out/e.json")  # the evidence written as test_cov finished
+        os.mkdir("out/e.json")
     """)
     result = gate_project.run("--dnnsafety-json=out/e.json")
     assert result.ret == pytest.ExitCode.TESTS_FAILED

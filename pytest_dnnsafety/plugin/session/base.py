@@ -123,3 +123,7 @@ class DnnSafetyPlugin:
 
     def start(self) -> None:
         """What this role does first, before the output checks (nothing by default)."""
+
+    def gate_done(self, nodeid: str, results: list[GateResult]) -> None:
+        """A gate of ``nodeid`` finished in this process (``results``: the test's gates so far); the reporting
+        part writes it out at once (:class:`~.gathering.Gathering`), a worker does nothing."""

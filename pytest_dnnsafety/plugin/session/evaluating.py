@@ -5,7 +5,8 @@ Shared by the roles that run tests (one process, an xdist worker, a torchrun ran
 collection error of its module); each fixture a gate reads is fingerprinted right after it is set
 up (:mod:`pytest_dnnsafety.files.provenance`), so the evidence names what was evaluated even when
 ``conftest.py`` overrides a fixture; the gates of a test are evaluated after its body passed, and
-their results ride on the test's report as a JSON string (only plain strings cross xdist workers).
+their results ride on the test's report as a JSON string (only plain strings cross xdist workers), and so do
+the session's shared forward passes each test's gates ran (timed apart from the gates: :mod:`.passes`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pytest_dnnsafety.gates import GateSpec, evaluate, parse_marker, resolve_opt
 from pytest_dnnsafety.gates.evaluation import progress_writer
 from pytest_dnnsafety.results import GateResult
 from pytest_dnnsafety.plugin.session.base import DnnSafetyPlugin, unmeasured
+from pytest_dnnsafety.plugin.session.passes import PassClock
 
 __all__ = ["Evaluating", "PLUGIN_FIXTURE_SETTINGS"]
 
@@ -28,6 +30,7 @@ _EVIDENCE_SETTINGS = ("json", "html", "baseline", "save_baseline")
 
 _SPECS = pytest.StashKey[list]()
 _RESULTS = pytest.StashKey[list]()
+_PASSES_FROM = pytest.StashKey[int]()
 #: The module whose fixtures are the plugin's own (``model``, ``dataset``, ...).
 _FIXTURE_MODULE = "pytest_dnnsafety.plugin.hooks"
 _UNSET: Any = object()
@@ -87,6 +90,8 @@ class Evaluating(DnnSafetyPlugin):
         # FixtureDef -> (value, record) of its latest execution; FixtureDef -> error of a failed one
         self.fixture_records: dict[Any, tuple[Any, dict[str, Any]]] = {}
         self.fixture_errors: dict[Any, dict[str, str]] = {}
+        #: the shared forward passes this process ran, timed apart from the gates
+        self.passes = PassClock()
 
     # -- collection: validate every gate marker; a bad one is a collection error of its module
 
@@ -260,13 +265,19 @@ class Evaluating(DnnSafetyPlugin):
         funcargs = getattr(item, "funcargs", {})
         if self._writer is _UNSET:
             self._writer = progress_writer(self.config)
-        results = []
+        results: list[GateResult] = []
+        item.stash[_PASSES_FROM] = len(self.passes.entries)
         for spec in specs:
+            self.passes.watch(self.cache)  # a shared pass this gate triggers is timed as its own entry
+            before = self.passes.gate(item.nodeid, spec.marker, spec.fixtures, funcargs)
             # What the gate reads is recorded first: the baseline comparison checks it.
-            results.append(evaluate(spec, {role: funcargs[name] for role, name in spec.fixtures.items()},
-                                    self.settings, item.nodeid, self.cache, writer=self._writer,
-                                    inputs=self._inputs(item, spec, funcargs)))
-            self.settle(spec, results[-1])
+            result = evaluate(spec, {role: funcargs[name] for role, name in spec.fixtures.items()},
+                              self.settings, item.nodeid, self.cache, writer=self._writer,
+                              inputs=self._inputs(item, spec, funcargs))
+            self.passes.charge(result, before)
+            results.append(result)
+            self.settle(spec, result)
+            self.gate_done(item.nodeid, results)  # the evidence holds it now, whatever happens next
         item.stash[_RESULTS] = results
         bad = [r for r in results if r.status != "passed"]
         if bad:
@@ -316,4 +327,7 @@ class Evaluating(DnnSafetyPlugin):
             elif call.when == "call":
                 results = item.stash.get(_RESULTS, [])
                 report.dnnsafety_gates = json.dumps([r.to_dict() for r in results])
+                passes = self.passes.since(item.stash.get(_PASSES_FROM, len(self.passes.entries)))
+                if passes:
+                    report.dnnsafety_passes = json.dumps(passes)
         return report
