@@ -4,8 +4,9 @@
 :func:`iter_batches` yields batches without materialising a loader; :func:`known_length` counts
 samples without reading them. A ``DataLoader`` that does not read its dataset in index order (a
 random or reordering sampler) is refused everywhere: gates link data rows to scenario rows by
-position, and the same data must give the same numbers every time. File formats are read in
-:mod:`pytest_dnnsafety.files.loading`.
+position, and the same data must give the same numbers every time. Every complete pass over a
+``DataLoader`` is fingerprinted on the way (:mod:`pytest_dnnsafety.data.fingerprint`). File formats are read
+in :mod:`pytest_dnnsafety.files.loading`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from pytest_dnnsafety.errors import DataError
+from pytest_dnnsafety.data.fingerprint import digest_stream
 from pytest_dnnsafety.data.tasks import (BoxSet, DetectionData, as_boxset, check_multilabel, is_detection_output,
                                          label_problem)
 
@@ -58,11 +60,10 @@ def as_tensors(data: Any, what: str = "data") -> tuple[torch.Tensor, torch.Tenso
     if isinstance(data, torch.utils.data.DataLoader):
         check_loader_order(data, what)
         xs, ys = [], []
-        for batch in data:
-            bx, by = _split_batch(batch)
-            xs.append(torch.as_tensor(bx))
+        for bx, by in digest_stream(data, _loader_batches(data)):  # the streamed bytes fingerprinted on the way
+            xs.append(bx)
             if by is not None:
-                ys.append(by if isinstance(by, BoxSet) else torch.as_tensor(by))
+                ys.append(by)
         if not xs:
             raise DataError(f"{what}: the DataLoader yielded no batches. Fix: give it a non-empty dataset.")
         x = torch.cat(xs)
@@ -117,9 +118,7 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     data = detection_source(data, "data")
     if isinstance(data, torch.utils.data.DataLoader):
         check_loader_order(data, "data")
-        for batch in data:
-            bx, by = _split_batch(batch)
-            yield torch.as_tensor(bx), (by if by is None or isinstance(by, BoxSet) else torch.as_tensor(by))
+        yield from digest_stream(data, _loader_batches(data))  # a complete pass records its digest on the loader
         return
     if isinstance(data, DetectionData):
         for start in range(0, len(data), batch_size):
@@ -128,6 +127,13 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, tor
     x, y = as_tensors(data)
     for start in range(0, x.shape[0], batch_size):
         yield x[start:start + batch_size], (y[start:start + batch_size] if y is not None else None)
+
+
+def _loader_batches(loader: torch.utils.data.DataLoader) -> Iterator[tuple[torch.Tensor, Any]]:
+    """A loader's batches as ``(x, y)`` tensors (``y`` a tensor, a box set or None), as they come out of it."""
+    for batch in loader:
+        bx, by = _split_batch(batch)
+        yield torch.as_tensor(bx), (by if by is None or isinstance(by, BoxSet) else torch.as_tensor(by))
 
 
 def known_length(data: Any) -> int | None:

@@ -179,7 +179,8 @@ def images() -> tuple[torch.Tensor, torch.Tensor]:
 def test_conv_model_on_8x8_images_is_captured(conv: Conv8, images: tuple) -> None:
     acts = capture(conv, images, ["features.1", "classifier.2"], batch_size=16)
     assert acts["features.1"].unit_shape == (4, 8, 8) and acts["features.1"].n_inputs == 40
-    assert acts["classifier.2"].n_neurons == 6 and conv.calls == 2 + 3  # the determinism probe, 3 batches
+    # the determinism probe, the memory probe (1 and 2 inputs), 3 batches
+    assert acts["classifier.2"].n_neurons == 6 and conv.calls == 2 + 2 + 3
 
 
 def test_wrong_input_shape_names_the_batch_the_shape_and_the_fix(conv: Conv8, images: tuple) -> None:
@@ -278,7 +279,8 @@ def test_a_failed_pass_fails_every_gate_that_shares_it_without_a_rerun(images: t
         with pytest.raises(MetricError) as again:
             cache.get(model, data, [layer], batch_size=16, device="cpu", plan=plan)
         assert str(again.value) == str(first.value)
-    assert cache.forward_passes == 1 and model.calls == calls == 2 + 3  # the determinism probe, 3 batches
+    # the determinism probe, the memory probe (1 and 2 inputs), 3 batches
+    assert cache.forward_passes == 1 and model.calls == calls == 2 + 2 + 3
 
 
 def test_an_unknown_layer_of_one_gate_is_not_cached_for_the_others(conv: Conv8, images: tuple) -> None:

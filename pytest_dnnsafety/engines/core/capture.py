@@ -244,13 +244,17 @@ def capture(
     the runner's :class:`~pytest_dnnsafety.engines.core.guard.ForwardGuard`: an exception becomes a
     :class:`MetricError` naming the batch, the shapes and dtypes and a fix, and the model's final
     output must be ``(batch, classes)`` and finite. No host synchronisation inside the batch loop:
-    the deferred checks and the finiteness of the captured values are read once at the end.
+    the deferred checks and the finiteness of the captured values are read once at the end. A batch
+    larger than the working-memory budget allows (:func:`~pytest_dnnsafety.engines.core.budget.chunk_size`,
+    measured on the first batch; ``dnnsafety_max_memory``, 1 GiB by default) goes to the model in
+    chunks: the same values, since every reduction is per input.
 
     A ``torch.export`` program's module runs as a tapped copy of its graph
     (:func:`~pytest_dnnsafety.files.pt2_taps.tapped_forward`): each layer's output node feeds the same
     per-batch reductions a hook would, in the same pass; the guard checks its outputs as any model's.
     """
-    from pytest_dnnsafety.engines.core.runner import Runner
+    from pytest_dnnsafety.engines.core.budget import chunk_size, spans
+    from pytest_dnnsafety.engines.core.runner import Batch, Runner
     from pytest_dnnsafety.engines.core.guard import check_deterministic, eval_mode, probing
 
     modules = _resolve_layers(model, layers)
@@ -308,7 +312,20 @@ def capture(
             raise  # only the tapping failed
         return guard.observe(out, x)
 
+    chunk: list[int] = []
+
     def step(batch: Any) -> None:
+        """A batch in the calls the working-memory budget allows (measured on the first batch); each call counts as
+        one batch of the captured values (``sizes``)."""
+        if not chunk:
+            chunk.append(batch.n if isinstance(batch.y, BoxSet) else chunk_size(model, batch.x))
+        if chunk[0] >= batch.n:
+            return part(batch)
+        for a, b in spans(batch.n, chunk[0]):
+            part(Batch(index=batch.index, start=batch.start + a, x=batch.x[a:b],
+                       y=None if batch.y is None else batch.y[a:b]))
+
+    def part(batch: Any) -> None:
         out = guard(model, batch.x) if tapped is None else run_tapped(batch.x)
         if outputs is not None and isinstance(out, BoxSet):  # a detector: keep its boxes, top detection per image
             top = torch.full((batch.n,), -1.0, device=out.device).scatter_reduce(

@@ -51,6 +51,7 @@ from pytest_dnnsafety.runtime import progress
 from pytest_dnnsafety.data.forms import check_loader_order, iter_batches, known_length
 from pytest_dnnsafety.errors import DataError, MetricError
 from pytest_dnnsafety.data.tasks import BoxSet, bad_boxes
+from pytest_dnnsafety.engines.core import budget as _budget  # noqa: F401 - its import warms the memory probe
 
 __all__ = ["Batch", "Runner", "model_device"]
 

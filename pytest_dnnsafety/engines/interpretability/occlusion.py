@@ -41,8 +41,10 @@ broken by the input index); it merges across workers and all-reduces across torc
 :func:`assess_occlusion` runs a model, data and masks through it, batch by batch through the
 :class:`~pytest_dnnsafety.engines.core.runner.Runner` (a ``DataLoader`` streams; only the masks, one
 boolean per pixel, are held whole). Pure torch; no pytest import; no Python loop over positions
-(the occluded copies of a batch go to the model in chunks of at most ``max_batch`` images: the
-chunking of one batch's queries, not a pass over the data).
+(the occluded copies of a batch go to the model in chunks: the chunking of one batch's queries, not
+a pass over the data). A chunk holds as many images as the working-memory budget allows
+(:func:`~pytest_dnnsafety.engines.core.budget.chunk_size`: the model's measured bytes per input and
+the ``dnnsafety_max_memory`` budget, 1 GiB by default), at most ``max_batch`` when it is given.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pytest_dnnsafety.data.forms import known_length
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.engines.core.guard import ForwardGuard, eval_mode
 from pytest_dnnsafety.engines.core.base import Engine, topk
+from pytest_dnnsafety.engines.core.budget import chunk_size
 from pytest_dnnsafety.engines.core.runner import Batch, Runner
 from pytest_dnnsafety.engines.perturb.adversarial import OUTPUTS, detect_outputs, log_probs
 
@@ -73,7 +76,7 @@ TARGETS = ("predicted", "label")
 WORST_INPUTS = 5
 #: The leading columns of a worst-input row of :class:`OcclusionEngine` (the heat map and the occluding set follow).
 ROW_COLUMNS = ("key", "index", "class", "p_clean", "hot", "occluding", "both", "m_interpret", "m_occsen")
-#: At most this many input elements per forward pass of occluded copies (~128 MB of float32).
+#: At most this many input elements per forward pass of occluded copies (~128 MB of float32), whatever the budget.
 MAX_ELEMENTS = 2**25
 _NONE = torch.iinfo(torch.int64).max
 
@@ -151,7 +154,7 @@ def _probabilities(out: Tensor, outputs: str, cls: Tensor) -> Tensor:
 
 
 def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: float | str = 0.0,
-                   target: Tensor | None = None, outputs: str = "auto", max_batch: int = 4096,
+                   target: Tensor | None = None, outputs: str = "auto", max_batch: int | None = None,
                    guard: ForwardGuard | None = None, clean_guard: ForwardGuard | None = None,
                    positions: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, str]:
     """Heat maps ``(N, Ph·Pw)`` (float64) of images ``x`` ``(N, …, H, W)``, the class used ``(N,)``, ``p_clean`` and
@@ -159,7 +162,8 @@ def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: f
 
     The value at a position is the probability of ``target`` (default: the clean prediction) on
     the image with that position occluded. All ``N·P`` occluded copies go to the model in
-    chunks of at most ``max_batch`` images (fewer for large images, see :data:`MAX_ELEMENTS`),
+    chunks sized from the working-memory budget (see the module docstring; at most ``max_batch``
+    images when given, and at most :data:`MAX_ELEMENTS` input values),
     through ``guard``; call ``guard.check()`` after the loop. ``positions``: the occluder's
     ``(rows, cols)`` as from :func:`occlusion_positions` (ideally on ``x``'s device, built once
     outside a batch loop); built here when None.
@@ -167,8 +171,9 @@ def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: f
     if not isinstance(x, Tensor) or x.ndim < 3:
         raise DataError(f"occlusion: the images must be a tensor (N, C, H, W) or (N, H, W), got {type(x).__name__} "
                         f"{tuple(getattr(x, 'shape', ()))}.")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ConfigError(f"occlusion: max_batch={max_batch!r} is not a positive integer.")
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise ConfigError(f"occlusion: max_batch={max_batch!r} is not a positive integer (or None: from the memory "
+                          "budget).")
     guard = guard or ForwardGuard("occlusion: model on occluded images")
     clean_guard = clean_guard or ForwardGuard("occlusion: model on clean images")
     n, height, width = x.shape[0], x.shape[-2], x.shape[-1]
@@ -186,7 +191,10 @@ def occlusion_maps(model: Any, x: Tensor, *, size: Any, stride: Any = 1, fill: f
         fills = (x.mean(dim=(-2, -1), keepdim=True) if fill == "mean"  # per image and channel
                  else torch.full((n,) + (1,) * (x.ndim - 1), float(fill), dtype=x.dtype, device=x.device))
         ar_h, ar_w = torch.arange(height, device=x.device), torch.arange(width, device=x.device)
-        chunk = max(1, min(max_batch, MAX_ELEMENTS // max(1, x[0].numel())))
+        # the occluded copies, the box masks and the chunk's probabilities beside the model's own working memory
+        cap = MAX_ELEMENTS // max(1, x[0].numel()) if max_batch is None else min(max_batch, MAX_ELEMENTS //
+                                                                                 max(1, x[0].numel()))
+        chunk = chunk_size(model, x, extra=3 * x[0].numel() * x.element_size() + height * width, cap=max(1, cap))
         values = []
         for start in range(0, n * npos, chunk):
             k = torch.arange(start, min(start + chunk, n * npos), device=x.device)
@@ -473,7 +481,7 @@ def _map(top: Tensor, metric: str, why: str, shape: tuple[int, int], rho: float)
 
 def assess_occlusion(model: Any, data: Any, masks: Any, *, size: Any, stride: Any = 1, fill: float | str = 0.0,
                      rho: float = 0.5, target: str = "predicted", no_hot: str = "skip", empty_mask: str = "error",
-                     outputs: str = "auto", batch_size: int = 256, max_batch: int = 4096,
+                     outputs: str = "auto", batch_size: int = 256, max_batch: int | None = None,
                      device: torch.device | str = "cpu", shard: Any = None) -> OcclusionResult:
     """M_interpret and M_OccSen (eq. 5) of ``model`` on images ``data`` with segmentation ``masks`` aligned to them.
 

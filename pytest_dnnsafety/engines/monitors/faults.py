@@ -109,6 +109,7 @@ from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, DataError
 from pytest_dnnsafety.engines import perturb
+from pytest_dnnsafety.engines.core.budget import chunk_size, spans
 from pytest_dnnsafety.engines.perturb import fgsm, pgd
 from pytest_dnnsafety.engines.perturb.common import as_images, check_clip, value_range
 
@@ -397,9 +398,15 @@ def _apply(family: str, x: Tensor, severity: int, generator: torch.Generator, y:
     if family in _ADVERSARIAL:
         eps = _ADV_EPS_255[i] / 255.0 * width
         yd = y.to(device=x.device, dtype=torch.int64)  # type: ignore[union-attr]
+        # chunks of the batch that fit the working-memory budget with a backward pass (one call when it fits)
+        size = chunk_size(model, x, grad=True, extra=4 * x[0].numel() * x.element_size()) if x.shape[0] > 1 else 1
         if family == "fgsm":
-            return fgsm(model, x, yd, eps, generator, norm="linf", clip=clip, outputs=outputs)
-        return pgd(model, x, yd, eps, generator, norm="linf", steps=_PGD_STEPS, clip=clip, outputs=outputs)
+            parts = [fgsm(model, x[a:b], yd[a:b], eps, generator, norm="linf", clip=clip, outputs=outputs)
+                     for a, b in spans(x.shape[0], size)]
+        else:
+            parts = [pgd(model, x[a:b], yd[a:b], eps, generator, norm="linf", steps=_PGD_STEPS, clip=clip,
+                         outputs=outputs) for a, b in spans(x.shape[0], size)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     xw = x.detach()
     if xw.dtype in (torch.float16, torch.bfloat16):
         xw = xw.float()

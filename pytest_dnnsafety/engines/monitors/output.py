@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.budget import chunk_size, spans
 from pytest_dnnsafety.engines.core.guard import describe_model, eval_mode
 from pytest_dnnsafety.data.checks import check_positive
 from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs
@@ -131,7 +132,7 @@ class ODIN(_OutputMonitor):
         return {"temperature": self.temperature, "epsilon": self.epsilon, **super()._config()}
 
     def _score(self, view: MonitorView) -> Tensor:
-        model, t, eps = view.model, self.temperature, self.epsilon
+        model, eps = view.model, self.epsilon
         outputs = self.outputs or "logits"
         if not isinstance(model, torch.nn.Module) and not callable(model):
             raise ConfigError(f"monitor {self.name!r}: the model is a {type(model).__name__}. Fix: give a "
@@ -143,28 +144,37 @@ class ODIN(_OutputMonitor):
         second = runner.guard(f"ODIN monitor {self.name!r}: model on the perturbed inputs",
                               num_classes=self.num_classes)
         parts: list[Tensor] = []
+        size = 0
         with eval_mode(model):
-            for batch in view.each(runner):
-                x = batch.x.detach()
-                if eps > 0:
-                    xg = x.clone().requires_grad_(True)
-                    with torch.enable_grad():
-                        out = first(model, xg)
-                        if not out.requires_grad:
-                            raise self._not_differentiable(
-                                model, "its output does not require grad (it runs under torch.no_grad() or "
-                                       "without autograd)")
-                        confidence = torch.log_softmax(_as_logits(out, outputs) / t, dim=1).amax(dim=1)
-                        (grad,) = torch.autograd.grad(confidence.sum(), [xg], allow_unused=True)
-                    if grad is None:
-                        raise self._not_differentiable(model, "its output does not depend on the input through "
-                                                              "autograd")
-                    x = x - eps * torch.sign(-grad)
-                with torch.no_grad():
-                    out = second(model, x)
-                    parts.append(-torch.softmax(_as_logits(out.float(), outputs) / t, dim=1).amax(dim=1))
+            for whole in view.each(runner):
+                if not size:  # the chunks that fit the working-memory budget with a backward pass
+                    held = 3 * whole.x[0].numel() * whole.x.element_size()
+                    size = chunk_size(model, whole.x, grad=eps > 0, extra=held)
+                parts += [self._odin(model, whole.x[a:b].detach(), first, second, outputs)
+                          for a, b in spans(whole.n, size)]
         runner.check()
         return torch.cat(parts)
+
+    def _odin(self, model: Any, x: Tensor, first: Any, second: Any, outputs: str) -> Tensor:
+        """ODIN's score of one chunk: a temperature-scaled input-gradient step, then the scaled softmax maximum."""
+        t, eps = self.temperature, self.epsilon
+        if eps > 0:
+            xg = x.clone().requires_grad_(True)
+            with torch.enable_grad():
+                out = first(model, xg)
+                if not out.requires_grad:
+                    raise self._not_differentiable(
+                        model, "its output does not require grad (it runs under torch.no_grad() or "
+                               "without autograd)")
+                confidence = torch.log_softmax(_as_logits(out, outputs) / t, dim=1).amax(dim=1)
+                (grad,) = torch.autograd.grad(confidence.sum(), [xg], allow_unused=True)
+            if grad is None:
+                raise self._not_differentiable(model, "its output does not depend on the input through "
+                                                      "autograd")
+            x = x - eps * torch.sign(-grad)
+        with torch.no_grad():
+            out = second(model, x)
+            return -torch.softmax(_as_logits(out.float(), outputs) / t, dim=1).amax(dim=1)
 
     def _not_differentiable(self, model: Any, why: str) -> MetricError:
         return MetricError(

@@ -28,6 +28,7 @@ from torch import Tensor
 from pytest_dnnsafety.errors import ConfigError, DataError, DnnSafetyError, MetricError
 from pytest_dnnsafety.engines.core.guard import ForwardGuard, eval_mode, model_dtype_device
 from pytest_dnnsafety.engines.core.base import Engine, topk
+from pytest_dnnsafety.engines.core.budget import chunk_size, spans
 from pytest_dnnsafety.data.checks import check_count
 from pytest_dnnsafety.engines.core.runner import Runner
 from pytest_dnnsafety.engines.perturb.adversarial import OUTPUTS, check_clip, detect_outputs, log_probs
@@ -326,7 +327,11 @@ def assess_adversarial_confidence(
     clamped to ``clip``) and one forward on it. Every model query goes through a
     :class:`ForwardGuard`. ``outputs="auto"`` detects logits vs probabilities on the first batch.
     No host synchronisation per batch: the families' finiteness, the guards, the data's range and
-    the labels' range are checked once after the loop. ``shard``: this torchrun rank's
+    the labels' range are checked once after the loop. A batch larger than the working-memory budget
+    allows (:func:`~pytest_dnnsafety.engines.core.budget.chunk_size`, with a backward pass when a family
+    takes gradients; ``dnnsafety_max_memory``, 1 GiB by default) is measured in chunks: the same numbers
+    (each family's generator is drawn on from chunk to chunk, so a random family's draws depend on the
+    chunks only when the budget splits a batch). ``shard``: this torchrun rank's
     :class:`~pytest_dnnsafety.runtime.torchrun.Shard` of the batches (None: all of them); the ranks' states
     are all-reduced, so every rank gets the single-process result.
     """
@@ -345,13 +350,25 @@ def assess_adversarial_confidence(
     guards = [runner.guard(f"adversarial confidence: model on {name!r} perturbations (eps={e:g})")
               for name, e in zip(names, budgets)]
     # the engine counts labels per class, so it is built on the first batch (when the model's classes are known)
-    state: dict[str, Any] = {"outputs": None if outputs == "auto" else outputs, "engine": None}
+    state: dict[str, Any] = {"outputs": None if outputs == "auto" else outputs, "engine": None, "chunk": None}
+    # a family that takes gradients (or a user's callable, which may) needs a backward pass's memory per input
+    grad = any(getattr(fam, "gradient", not getattr(fam, "accepts_guard", False)) for fam in fams)
 
     def step(batch: Any) -> None:
-        x, y = batch.x, batch.y
-        if y is None:
+        if batch.y is None:
             raise DataError("adversarial confidence: the data have no labels; M_adv (eq. 4) measures the drop in "
                             "the true class's probability. Fix: give labelled data (x, y).")
+        if state["chunk"] is None:  # measured on the first batch: 3 copies of an input held beside the model's pass
+            held = 3 * batch.x[0].numel() * batch.x.element_size()
+            state["chunk"] = chunk_size(model, batch.x, grad=grad, extra=held)
+        gens = [torch.Generator().manual_seed(_family_seed(seed, i, batch.index)) for i in range(len(fams))]
+        parts = [chunk(batch, batch.x[a:b], batch.y[a:b], gens) for a, b in spans(batch.n, state["chunk"])]
+        p_clean, correct_clean = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        p_pert, correct_pert = torch.cat([p[2] for p in parts], 1), torch.cat([p[3] for p in parts], 1)
+        state["engine"].update(p_clean, p_pert, correct_clean, correct_pert, rows=batch.rows, labels=batch.y,
+                               inputs=batch.x)
+
+    def chunk(batch: Any, x: Tensor, y: Tensor, gens: list[torch.Generator]) -> tuple[Tensor, ...]:
         with torch.no_grad():
             out = clean_guard(model, x)
         if state["outputs"] is None:
@@ -366,8 +383,7 @@ def assess_adversarial_confidence(
             correct_clean = out.argmax(dim=1) == y
         p_pert, correct_pert = [], []
         for i, (name, fam) in enumerate(zip(names, fams)):
-            gen = torch.Generator().manual_seed(_family_seed(seed, i, batch.index))
-            xp = _run_family(fam, name, model, x, ys, budgets[i], gen, guards[i], resolved)
+            xp = _run_family(fam, name, model, x, ys, budgets[i], gens[i], guards[i], resolved)
             runner.flag(f"family {i}", ~torch.isfinite(xp), batch,
                         f"adversarial confidence: perturbation family {name!r} returned NaN/inf values in {{count}} "
                         "batch(es), the first being batch {first}. Fix: the family must return finite inputs (check "
@@ -378,8 +394,7 @@ def assess_adversarial_confidence(
                 po = guards[i](model, xp)
                 p_pert.append(log_probs(po, resolved).gather(1, ys[:, None]).squeeze(1).exp())
                 correct_pert.append(po.argmax(dim=1) == y)
-        state["engine"].update(p_clean, torch.stack(p_pert), correct_clean, torch.stack(correct_pert),
-                               rows=batch.rows, labels=y, inputs=x)
+        return p_clean, correct_clean, torch.stack(p_pert), torch.stack(correct_pert)
 
     with eval_mode(model):
         runner.run(data, step, lambda: state["engine"])  # built on the first batch

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.engines.core.budget import chunk_size, spans
 from pytest_dnnsafety.engines.core.guard import ForwardGuard
 from pytest_dnnsafety.data.tasks import BoxSet
 from pytest_dnnsafety.engines.perturb import blur, brightness, contrast, gaussian_noise, occlude, rotate, translate
@@ -105,8 +106,11 @@ def worst_of(
         return candidates[0]
     k, n = len(candidates), candidates[0].shape[0]
     stacked = torch.cat(candidates, dim=0)
-    with torch.no_grad():
-        out = guard(model, stacked)
+    with torch.no_grad():  # the k·N candidates in calls the working-memory budget allows
+        size = chunk_size(model, stacked) if k * n > 1 else k * n
+        parts = [guard(model, stacked[a:b]) for a, b in spans(k * n, size)]
+        joined = BoxSet.cat if isinstance(parts[0], BoxSet) else torch.cat
+        out = parts[0] if len(parts) == 1 else joined(parts)  # type: ignore[operator]
     if isinstance(y, BoxSet):
         from pytest_dnnsafety.engines.core.detections import repeat_targets
         from pytest_dnnsafety.data.tasks import matched_scores
@@ -146,6 +150,8 @@ class Family(abc.ABC):
     uses_outputs: ClassVar[bool] = True
     #: The runner passes ``guard=`` and ``outputs=`` to families saying so.
     accepts_guard: ClassVar[bool] = True
+    #: Candidates per input the family compares (each a copy of the batch held at once).
+    candidates: ClassVar[int] = 1
 
     def __init__(self, *, clip: tuple[float, float] | None = None, outputs: str = "logits") -> None:
         self.clip = check_clip(clip)
@@ -192,10 +198,25 @@ class Family(abc.ABC):
         elif outputs == "auto" and self.uses_outputs:
             with torch.no_grad():
                 outputs = detect_outputs(guard(model, x))
-        out = self._perturb(model, x.detach(), y, float(eps), generator, guard, outputs)
+        out = self._chunked(model, x.detach(), y, float(eps), generator, guard, outputs)
         if own:
             guard.check()
         return self._clamp(out)
+
+    def _chunked(self, model: Any, x: Tensor, y: Any, eps: float, generator: torch.Generator | None,
+                 guard: ForwardGuard, outputs: str) -> Tensor:
+        """:meth:`_perturb` on chunks of the batch that fit the working-memory budget (the model's measured bytes
+        per input, with a backward pass for a gradient family, and the family's candidate copies); one call
+        when the batch fits. The generator is drawn on from chunk to chunk."""
+        n = x.shape[0]
+        if n < 2 or isinstance(y, BoxSet) or not (self.gradient or self.uses_outputs):
+            return self._perturb(model, x, y, eps, generator, guard, outputs)
+        held = (2 * self.candidates + 2) * x[0].numel() * x.element_size()
+        size = chunk_size(model, x, grad=self.gradient, extra=held)
+        if size >= n:
+            return self._perturb(model, x, y, eps, generator, guard, outputs)
+        return torch.cat([self._perturb(model, x[a:b], y[a:b], eps, generator, guard, outputs)
+                          for a, b in spans(n, size)])
 
     def _clamp(self, x: Tensor) -> Tensor:
         return x.clamp(self.clip[0], self.clip[1]) if self.clip is not None else x
@@ -229,6 +250,8 @@ class Brightness(Family):
     name = "brightness"
     unit = "brightness shift in input units (L∞ radius)"
 
+    candidates = 2
+
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         return worst_of(model, y, [brightness(x, eps, clip=self.clip), brightness(x, -eps, clip=self.clip)],
                         outputs, guard)
@@ -239,6 +262,8 @@ class Contrast(Family):
 
     name = "contrast"
     unit = "relative contrast change (0.1 = ±10%)"
+
+    candidates = 2
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         up, down = contrast(x, 1 + eps, clip=self.clip), contrast(x, 1 - eps, clip=self.clip)
@@ -264,6 +289,8 @@ class Rotation(Family):
     unit = "rotation angle in degrees"
     spatial = True
 
+    candidates = 2
+
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         candidates = [rotate(x, angle, clip=self.clip) for angle in (eps, -eps)]
         return worst_of(model, y, candidates, outputs, guard)
@@ -275,6 +302,8 @@ class Translation(Family):
     name = "translation"
     unit = "shift in pixels"
     spatial = True
+
+    candidates = 4
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         candidates = [translate(x, shift, clip=self.clip) for shift in ((eps, 0.0), (-eps, 0.0), (0.0, eps),
@@ -294,6 +323,8 @@ class Occlusion(Family):
     name = "occlusion"
     unit = "patch side as a fraction of the shorter image side"
     spatial = True
+
+    candidates = 9
 
     def _perturb(self, model, x, y, eps, generator, guard, outputs):  # type: ignore[no-untyped-def]
         imgs = _images(x, self.name)
