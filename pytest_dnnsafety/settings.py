@@ -29,6 +29,7 @@ __all__ = [
 #: ``package.module:callable`` (a factory) rather than a file path.
 FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_MEMORY_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -44,7 +45,7 @@ class Setting:
     """One configurable value and its four spellings."""
 
     name: str
-    kind: str  # "source" | "path" | "int" | "bool" | "device" | "threads" | "task"
+    kind: str  # "source" | "path" | "int" | "bool" | "device" | "threads" | "task" | "seconds" | "sample" | "memory"
     default: Any
     help: str
     fix: str
@@ -135,10 +136,25 @@ _SETTING_LIST = [
             "use a non-negative integer below 2**63 such as 1234", minimum=0, maximum=MAX_SEED),
     Setting("batch_size", "int", 256, "batch size of forward passes and engine updates (int >= 1)",
             "use a positive integer such as 256", minimum=1),
+    Setting("max_memory", "memory", "1GiB",
+            "working-memory budget of the engines' model calls (bytes or a size such as 1GiB, 512MiB; at least "
+            "16MiB): occlusion, the attack families, the shared activation pass and the monitors split a batch into "
+            "the calls that fit it, from the model's measured bytes per input",
+            "use a size such as 1GiB or 512MiB (at least 16MiB), or a number of bytes"),
     Setting("max_queries", "int", 10**9,
             "the most model queries a max_pmi_ub plan may take: a plan above it (e.g. a tiny target_width) is "
             "refused before sampling, naming its cost (int >= 1; marker keyword max_queries)",
             "use a positive integer such as 1000000000", minimum=1),
+    Setting("max_seconds", "seconds", 3600,
+            "the most seconds one gate may be estimated to take (model passes x a probed time per pass, plus its "
+            "engine's work): a gate estimated above it is refused before measuring, naming the estimate and what "
+            "shrinks it; 0 or none: no limit (marker keyword max_seconds)",
+            "use a non-negative number of seconds such as 3600, or 0 / none for no limit"),
+    Setting("sample", "sample", None,
+            "gate on a seeded subsample of N inputs of the evaluation data (stratified by the scenario table when "
+            "the gate reads one; every bound is computed on the N inputs): int >= 1, or none for all the data "
+            "(marker keyword sample=)",
+            "use a positive number of inputs no larger than the data, such as 200, or none for all the data"),
     Setting("threads", "threads", "auto",
             "torch intra-op CPU threads of each test process: auto (the usable cores shared by the xdist workers, "
             "less the cores other processes keep busy; OMP_NUM_THREADS/MKL_NUM_THREADS win when set) or an int >= 1",
@@ -223,6 +239,38 @@ def _parse(setting: Setting, raw: Any) -> Any:
         if isinstance(raw, bool) or text not in ("auto", *TASK_NAMES):
             raise ValueError(f"expected auto, {', '.join(TASK_NAMES)}")
         return text
+    if kind == "seconds":  # a time budget: 0, none or inf turn it off
+        text = str(raw).strip().lower()
+        if text in ("none", "off", "inf", "0"):
+            return 0.0
+        if isinstance(raw, bool):
+            raise ValueError("expected a number of seconds, got a boolean")
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError("expected a number of seconds, or none") from None
+        if seconds != seconds or seconds < 0:
+            raise ValueError("must be a number >= 0 (0 or none: no limit)")
+        return 0.0 if seconds == float("inf") else seconds
+    if kind == "sample":  # a count of inputs, or none for all of them
+        text = str(raw).strip().lower()
+        if text in ("none", "all"):
+            return None
+        if isinstance(raw, bool) or isinstance(raw, float):
+            raise ValueError(f"expected a whole number of inputs, got {raw!r}")
+        try:
+            count = int(text)
+        except ValueError:
+            raise ValueError("expected a whole number of inputs, or none") from None
+        if count < 1:
+            raise ValueError(f"must be >= 1 (a subsample of {count} inputs measures nothing)")
+        return count
+    if kind == "memory":  # checked fully (units, minimum) by runtime.sizes.parse_memory where it is used
+        text = str(raw).strip()
+        match = None if isinstance(raw, bool) else _MEMORY_RE.match(text)
+        if match is None or match.group(2).lower() not in ("", "b", "kib", "mib", "gib", "tib", "kb", "mb", "gb", "tb"):
+            raise ValueError("expected a memory size such as 1GiB, 512MiB or a number of bytes")
+        return int(text) if text.isdigit() else text
     if kind == "threads":
         text = str(raw).strip().lower()
         if text == "auto":

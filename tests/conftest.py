@@ -17,6 +17,10 @@ import pytest
 import torch  # noqa: F401  - imported once here: in-process pytester runs must not re-import torch
 
 import pytest_dnnsafety.scenarios  # noqa: F401  - likewise kept across in-process runs
+# The memory probe's dispatch mode imports torch's dispatch machinery (torch._dynamo, which registers operator
+# libraries once per process) when its module is imported: imported here, before any in-process run, so that
+# pytester's module snapshot keeps it instead of dropping it and re-registering those libraries.
+import pytest_dnnsafety.engines.core.budget  # noqa: F401, E402
 
 #: The paper's Fig. 2 operating conditions (Cheng et al. 2018, §II-A).
 FIG2_CONDITIONS = """\

@@ -39,7 +39,7 @@ class _Required:
 REQUIRED: Any = _Required()
 
 #: Settings every gate accepts as a marker keyword (they win over CLI, env and ini).
-COMMON_SETTINGS = ("seed", "device", "batch_size", "task")
+COMMON_SETTINGS = ("seed", "device", "batch_size", "task", "max_seconds", "sample")
 
 #: Regression limits every gate accepts against a stored baseline: op -> keyword.
 REGRESSION_KEYWORDS = {">=": "max_drop", "<=": "max_rise"}
@@ -140,6 +140,12 @@ class GateDef:
     #: (each :class:`Param` checks its own value), run at collection so that a combination that cannot work is a
     #: collection error naming the marker, the keyword and the fix, before any work
     together: Callable[[Mapping[str, Any]], tuple[str, str, str] | None] | None = None
+    #: ``cost(options, workload)`` -> :class:`~pytest_dnnsafety.gates.cost.Cost`: the gate's work before it runs, in
+    #: single-input model forwards (a gradient step counts 3) plus its engine's own seconds, from the validated
+    #: options and the :class:`~pytest_dnnsafety.gates.cost.Workload` (inputs, input shape, batch size). The evaluation
+    #: multiplies the forwards by a probed time per forward, shows the estimate and refuses a gate estimated above
+    #: ``max_seconds``. None: one pass over the data
+    cost: Callable[[Mapping[str, Any], Any], Any] | None = None
 
     @property
     def regression_keyword(self) -> str:
@@ -209,6 +215,8 @@ class GateDef:
                        f"{sorted(self.fixtures)}")
         if self.layers is not None and not callable(self.layers):
             out.append(f"layers must be None or callable as layers(options) -> layer names, got {self.layers!r}")
+        if self.cost is not None and not callable(self.cost):
+            out.append(f"cost must be None or callable as cost(options, workload) -> Cost, got {self.cost!r}")
         for flag in ("timed", "shards"):
             if not isinstance(getattr(self, flag), bool):
                 out.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -431,6 +439,11 @@ class GateContext:
     task: str = "single-label"
     #: the ``task`` setting as resolved for this gate (marker keyword, CLI, env, ini or default ``auto``)
     task_setting: Any = None
+    #: the ``max_seconds`` setting as resolved for this gate (a :class:`~pytest_dnnsafety.settings.Resolved`; value 0 or
+    #: None: no limit)
+    max_seconds: Any = None
+    #: the ``sample`` setting as resolved for this gate (value None: all the data)
+    sample: Any = None
 
     def memo(self, name: str, objects: tuple[Any, ...], values: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
         """``compute()``'s result, computed once per session for these ``objects`` and ``values``.

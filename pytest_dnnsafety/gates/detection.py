@@ -39,6 +39,7 @@ from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.report.plots import plot_map_groups
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import bootstrap_cost
 from pytest_dnnsafety.gates.checks import in_range, one_of
 from pytest_dnnsafety.gates.shared import merged, outputs_for, scenario_table
 
@@ -139,6 +140,7 @@ MIN_DETECTION_MAP = GateDef(
     fixtures=_FIXTURES,
     conditional={"scenarios": "by"},
     measure=_measure,
+    cost=bootstrap_cost,
     tasks=("detection",),
     shards=True,
     doc="fail unless every scenario group of `by` (or all images) has a COCO mAP (Lin et al. 2014) whose "
@@ -160,6 +162,7 @@ MIN_DETECTION_RECALL = GateDef(
     fixtures=_FIXTURES,
     conditional={"scenarios": "by"},
     measure=_measure,
+    cost=bootstrap_cost,
     tasks=("detection",),
     shards=True,
     doc="fail unless every scenario group of `by` (or all images) finds each class's objects (IoU ≥ `iou`, score "

@@ -17,6 +17,7 @@ import warnings
 from typing import Any, Callable, Mapping
 
 from pytest_dnnsafety.runtime import progress
+from pytest_dnnsafety.runtime.sizes import memory_budget
 from pytest_dnnsafety.settings import Settings
 from pytest_dnnsafety.errors import ConfigError, DnnSafetyError, MarkerError, MetricError
 from pytest_dnnsafety.results import ESTIMATE_SUFFIX, GateResult, Measurement, format_numbers
@@ -92,7 +93,7 @@ def context_for(spec: GateSpec, settings: Settings) -> GateContext:
                 for k in COMMON_SETTINGS}
     device = str(resolve_device(resolved["device"]))
     return GateContext(settings, resolved["seed"].value, device, resolved["batch_size"].value,
-                       task_setting=resolved["task"])
+                       task_setting=resolved["task"], max_seconds=resolved["max_seconds"], sample=resolved["sample"])
 
 
 def resolve_task(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> str:
@@ -143,17 +144,24 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
                         op=gate.op, status="error", inputs=dict(inputs or {}))
     caught: list[warnings.WarningMessage] = []
     clock = ImportClock()
+    before: dict[str, Any] = {}  # the subsample and the estimate: evidence whatever the verdict
     try:
         ctx = context_for(spec, settings)
         if cache is not None:
             ctx.cache = cache
         ctx.task = resolve_task(spec, fixture_values, ctx)
         result.device = str(ctx.device)
+        with clock:  # the probe's first-time imports (the engines, torch's dispatch machinery) are startup too
+            fixture_values, estimate = _prepared(spec, fixture_values, ctx, before)
         with warnings.catch_warnings(record=True) as caught:
             # An engine's warning (e.g. eps >= r-hat) becomes part of the evidence, not a crash under -W error.
             warnings.simplefilter("always")
-            with progress.active(label=f"{spec.marker} {nodeid}", write=writer), clock:
+            with progress.active(label=f"{spec.marker} {nodeid}", write=writer, estimate=estimate), clock, \
+                    memory_budget(settings.value("max_memory"), "dnnsafety_max_memory"):  # the engines' batch sizes
                 measurement = _measured(gate, spec, fixture_values, ctx)
+        from pytest_dnnsafety.data.fingerprint import apply_streamed  # streamed data: the digest of the pass read
+
+        apply_streamed(result.inputs, fixture_values)
         compared = measurement.bound if measurement.bound is not None else measurement.value
         judged = measurement.inconclusive is None and measurement.contradiction is None
         if judged:  # a NaN value beside a finite bound is no measurement either (issue #19 §6)
@@ -167,10 +175,10 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         if judged and (compared is None or not math.isfinite(float(compared))):
             raise MetricError(f"the measured {gate.metric} is {compared!r}, which cannot be compared")
     except DnnSafetyError as exc:
-        return _error_result(result, spec, exc, f"cannot compute {gate.metric}", caught, start, clock)
+        return _error_result(result, spec, exc, f"cannot compute {gate.metric}", caught, start, clock, before)
     except Exception as exc:  # the model, the data or an engine raised: an error, never a pass
         return _error_result(result, spec, exc, f"error while computing {gate.metric}", caught, start, clock,
-                             with_traceback=True)
+                             before, with_traceback=True)
     value, bound = _finite(measurement.value), _finite(measurement.bound)
     compared = bound if measurement.bound is not None else value
     ok = compared is not None and (compared >= spec.threshold if gate.op == ">=" else compared <= spec.threshold)
@@ -180,7 +188,7 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
         label += " (estimate)"
     result.value = value
     result.bound = bound
-    result.details = dict(measurement.details)
+    result.details = {**before, **measurement.details}
     result.details.setdefault("task", ctx.task)  # what kind of model the number is about
     if result.is_estimate:  # an estimate the marker asked for: labelled in every report
         result.metric += ESTIMATE_SUFFIX
@@ -212,6 +220,31 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _prepared(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext, before: dict[str, Any]
+              ) -> tuple[Mapping[str, Any], float]:
+    """The fixture values with ``sample=`` applied, and the gate's estimated seconds — refused (a
+    :class:`~pytest_dnnsafety.gates.cost.BudgetError`) above ``max_seconds`` before any work. ``before`` receives the
+    evidence: ``sample`` (N, seed, the indices' digest, the stratification) and ``cost_estimate``."""
+    from pytest_dnnsafety.gates.cost import check_budget
+    from pytest_dnnsafety.gates.prepare import estimated, subsampled
+
+    fixture_values, sample = subsampled(spec, fixture_values, ctx)
+    if sample is not None:
+        before["sample"] = sample
+    estimate = estimated(spec, fixture_values, ctx)
+    if estimate.per_forward is not None or spec.definition.cost is not None:  # a gate with model work, or a hook
+        before["cost_estimate"] = estimate.to_details()
+    check_budget(estimate, spec.marker, ctx.max_seconds, sample["n"] if sample else None,
+                 sample["of"] if sample else _inputs(fixture_values))
+    return fixture_values, estimate.seconds
+
+
+def _inputs(fixture_values: Mapping[str, Any]) -> int:
+    from pytest_dnnsafety.data.forms import known_length
+
+    return (known_length(fixture_values["data"]) or 0) if "data" in fixture_values else 0
 
 
 def _measured(gate: Any, spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext) -> Measurement:
@@ -254,12 +287,12 @@ def _finite(number: Any) -> float | None:
 
 def _error_result(result: GateResult, spec: GateSpec, exc: Exception, what: str,
                   caught: list[warnings.WarningMessage], start: float, clock: ImportClock,
-                  with_traceback: bool = False) -> GateResult:
+                  before: Mapping[str, Any] | None = None, with_traceback: bool = False) -> GateResult:
     message = str(exc) or repr(exc)
     result.status, result.passed = "error", None
     # An error may carry JSON-able details of its own (e.g. the scenario rows that break a restriction).
     extra = getattr(exc, "details", None)
-    result.details = {**(extra if isinstance(extra, dict) else {}), "error": message,
+    result.details = {**(before or {}), **(extra if isinstance(extra, dict) else {}), "error": message,
                       "error_type": type(exc).__name__}
     if with_traceback:
         result.details["traceback"] = _traceback_tail(exc)

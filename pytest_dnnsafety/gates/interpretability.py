@@ -38,6 +38,7 @@ from pytest_dnnsafety.gates.hookspecs import hookimpl
 from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import occlusion_cost
 from pytest_dnnsafety.gates.checks import in_range, one_of
 
 __all__ = [
@@ -151,6 +152,7 @@ MIN_INTERPRETATION_PRECISION = GateDef(
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
+    cost=occlusion_cost,
     doc="fail unless the share of hot occlusion positions (probability of the original class below rho) that "
         "overlap the object's mask reaches `threshold` (M_interpret, Cheng et al. 2018, eq. 5)",
 )
@@ -167,6 +169,7 @@ MIN_OCCLUSION_SENSITIVITY = GateDef(
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
+    cost=occlusion_cost,
     doc="fail unless at least `threshold` of the occlusion positions on the object are hot: the object "
         "matters to the prediction (M_OccSen, Cheng et al. 2018, §II-G)",
 )
@@ -183,6 +186,7 @@ MAX_OCCLUSION_SENSITIVITY = GateDef(
     shards=True,  # each rank its share of the batches; counts, minima, maxima and per-input values all-reduced
     signal=("model", "data"),  # relative: occluded against clean outputs of a model that gives a signal
     measure=_measure_occlusion,
+    cost=occlusion_cost,
     doc="fail if more than `threshold` of the occlusion positions on the object are hot: the prediction "
         "breaks under small partial occlusions (M_OccSen, Cheng et al. 2018, §II-G)",
 )

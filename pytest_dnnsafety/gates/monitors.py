@@ -42,6 +42,7 @@ from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.report.plots import plot_faults, plot_ranking
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
+from pytest_dnnsafety.gates.cost import monitor_cost
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 from pytest_dnnsafety.gates.shared import activation_cache
 
@@ -208,6 +209,7 @@ MIN_MONITOR_DETECTION = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_detection,
+    cost=monitor_cost,
     together=_compare_problem,  # compare= misuse is a collection error, before any monitor is fitted
     signal=("model", "data"),  # checked on the labelled in-distribution evaluation data (OOD data have no labels)
     tasks=("single-label", "detection"),  # a detector: a score-based monitor (DetectionScore), faults on the images
@@ -234,6 +236,7 @@ MAX_MONITOR_SELECTIVE_RISK = GateDef(
     fixtures=_FIXTURES,
     optional={"novel": "ood_data"},
     measure=_measure_selective_risk,
+    cost=monitor_cost,
     signal=("model", "data"),  # checked on the labelled in-distribution evaluation data (OOD data have no labels)
     tasks=("single-label", "detection"),  # a detector's error: a missed object or a false detection per image
     shards=True,  # each rank scores its share of every data set's batches; scores and errors all-gathered

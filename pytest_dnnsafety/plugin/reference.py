@@ -47,6 +47,11 @@ _COMMON_TEXT = {
     "batch_size": "batch size of this gate's forward passes and engine updates",
     "task": "the model's task for this gate: `single-label`, `multi-label`, `detection` (default: the setting, "
             "else inferred from the data); a task the gate does not support is a collection error",
+    "max_seconds": "the most seconds this gate may be estimated to take (wins over `dnnsafety_max_seconds`, default "
+                   "3600; 0 or `\"none\"`: no limit): above it the gate is refused before measuring, naming the "
+                   "estimate and the keywords that shrink it",
+    "sample": "gate on a seeded subsample of this many inputs of the data (wins over `dnnsafety_sample`), "
+              "stratified by the scenario table when the gate reads one; recorded in the evidence",
 }
 
 

@@ -11,7 +11,9 @@ active, so it is safe in hot loops and in code that runs outside pytest. A gate 
             ...
             progress.tick(i + 1, len(batches), "batches")
 
-What is shown: ``label: 45% 4500/10000 samples, 12s elapsed, ETA 15s``. Nothing for a gate that
+What is shown: ``label: 45% 4500/10000 samples, 12s elapsed, ETA 15s``. A gate estimated before it runs
+(``active(..., estimate=seconds)``) at :data:`MIN_SECONDS` or more shows ``label: estimated 2m10s`` at once,
+and its lines end with ``estimated 2m10s``. Otherwise nothing for a gate that
 ends within ``min_seconds`` (3 s); then at most every 2 s on a terminal (one line, rewritten in
 place) or every 15 s in a CI log (plain lines), and a closing ``label: done in 27s`` line when
 something was shown. A new phase (``done`` going back, or another ``total`` or ``unit``) restarts
@@ -72,7 +74,7 @@ class Reporter:
     """Rate-limited progress of one labelled block of work."""
 
     def __init__(self, label: str, write: Write, *, tty: bool, min_seconds: float, interval: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], estimate: float | None = None) -> None:
         self.label = label
         self.write = write
         self.tty = tty
@@ -86,6 +88,14 @@ class Reporter:
         self._phase: tuple[int, str] | None = None  # (total, unit) of the current phase
         self._phase_start: tuple[float, int] | None = None  # (time, done) at the phase's first tick
         self._last_done = 0
+        #: the gate's estimated seconds (see :mod:`pytest_dnnsafety.gates.cost`), or None
+        self.estimate = estimate
+
+    def announce(self) -> None:
+        """Show the estimate at once when the gate is expected to take :attr:`min_seconds` or more."""
+        if self.estimate is not None and self.estimate >= self.min_seconds:
+            self.last_shown = self.clock()
+            self._show(f"{self.label}: estimated {_duration(self.estimate)}")
 
     def tick(self, done: int, total: int, unit: str = "") -> None:
         now = self.clock()
@@ -112,6 +122,8 @@ class Reporter:
             if done > d0 and now > t0:  # the rate of this phase, from its first tick
                 rate = (done - d0) / (now - t0)
                 parts.append(f"ETA {_duration((total - done) / rate)}")
+        if self.estimate is not None:
+            parts.append(f"estimated {_duration(self.estimate)}")
         return f"{self.label}: " + ", ".join(parts)
 
     def _show(self, text: str) -> None:
@@ -128,6 +140,8 @@ class Reporter:
         if not self.shown:
             return
         text = f"{self.label}: {'stopped' if failed else 'done'} after {_duration(self.clock() - self.start)}"
+        if self.estimate is not None:
+            text += f" (estimated {_duration(self.estimate)})"
         if self.tty:
             self._show(text)
             self.write("\n")
@@ -137,8 +151,11 @@ class Reporter:
 
 @contextmanager
 def active(label: str, write: Write | None, *, tty: bool | None = None, min_seconds: float | None = None,
-           interval: float | None = None, clock: Callable[[], float] | None = None) -> Iterator[Reporter | None]:
+           interval: float | None = None, clock: Callable[[], float] | None = None,
+           estimate: float | None = None) -> Iterator[Reporter | None]:
     """Install a progress reporter for the block; ``write=None`` shows nothing (and hides outer reporters).
+
+    ``estimate``: the block's estimated seconds, shown at once when at least ``min_seconds`` and on every line.
 
     ``tty`` defaults to the writer's ``tty`` attribute (False for a plain function). ``min_seconds``
     defaults to :data:`MIN_SECONDS`; ``interval`` to :data:`TTY_INTERVAL` or :data:`LOG_INTERVAL`.
@@ -159,7 +176,11 @@ def active(label: str, write: Write | None, *, tty: bool | None = None, min_seco
             label, write, tty=tty,
             min_seconds=MIN_SECONDS if min_seconds is None else float(min_seconds),
             interval=(TTY_INTERVAL if tty else LOG_INTERVAL) if interval is None else float(interval),
-            clock=clock or time.monotonic)
+            clock=clock or time.monotonic, estimate=estimate)
+        try:
+            reporter.announce()
+        except Exception:  # progress must never break a gate
+            pass
     _CURRENT = reporter
     failed = False
     try:

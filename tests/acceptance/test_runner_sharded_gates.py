@@ -20,6 +20,7 @@ from _gloo import GLOO_AVAILABLE, run_on_gloo_ranks
 
 from pytest_dnnsafety import Conditions, ScenarioTable
 from pytest_dnnsafety.runtime import torchrun as ranks
+from _details import reproducible
 from pytest_dnnsafety.settings import SETTINGS, Settings
 from pytest_dnnsafety.gates import evaluate, parse_marker
 
@@ -93,7 +94,7 @@ def _evaluate_all(root: str, nan_row: int | None = None) -> dict[str, Any]:
             spec = parse_marker(marker, args, kwargs, f"test_{i}")
             fx = {"model": model, "data": data, "scenarios": table}
             result = evaluate(spec, fx, settings, f"test_{i}", cache)
-            details = {k: v for k, v in result.details.items() if k not in ("traceback",)}
+            details = {k: v for k, v in reproducible(result.details).items() if k not in ("traceback",)}
             out[f"{labels_only} {i} {marker}"] = json.loads(json.dumps(
                 [result.status, _num(result.value), _num(result.bound), details], default=str))
         passes = cache["activations"]

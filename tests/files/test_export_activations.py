@@ -178,6 +178,7 @@ def test_every_activation_reading_gate_gives_the_eager_models_value(case: Case, 
         assert (got.status, got.value, got.bound) == (want.status, want.value, want.bound), name
         assert "activations_from" not in want.details
         assert got.details.pop("activations_from") == "exported graph nodes", name
+        got.details.pop("cost_estimate", None), want.details.pop("cost_estimate", None)  # a probed timing: differs per run
         assert got.details == want.details, name
 
 

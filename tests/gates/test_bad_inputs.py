@@ -23,7 +23,7 @@ BAD_MARKERS = [
     pytest.param("min_scene_coverage(0.5, 2)", ["argument *args: takes one positional argument*"],
                  id="k_given_positionally"),
     pytest.param("min_scene_coverage(0.5, kk=2)", ["argument kk: unknown keyword",
-                                                   "Fix: use one of batch_size, data, device, k, min_count, *"],
+                                                   "Fix: use one of batch_size, data, device, k, max_seconds, min_count, sample, *"],
                  id="unknown_keyword"),
     pytest.param("min_scene_coverage(0.5, k=4)", ["argument k: 4 is outside [1, 3]. Fix: use k = 1, 2 or 3."],
                  id="k_out_of_range"),

@@ -324,8 +324,8 @@ def test_required_param_and_regression_keywords_at_parse_time() -> None:
     with pytest.raises(MarkerError, match=r"argument max_rise: min_thing must reach its threshold \(>=\), so a "
                                           r"regression is a drop\. Fix: use max_drop=\.\.\. instead\."):
         parse_marker("min_thing", (0.5,), {"layer": "fc", "max_rise": 0.1}, "t.py::test", registry)
-    with pytest.raises(MarkerError, match="unknown keyword. Fix: use one of batch_size, device, layer, model, seed, task, "
-                                          "max_drop"):
+    with pytest.raises(MarkerError, match="unknown keyword. Fix: use one of batch_size, device, layer, max_seconds, model, "
+                                          "sample, seed, task, max_drop"):
         parse_marker("min_thing", (0.5,), {"layer": "fc", "lyer": 1}, "t.py::test", registry)
 
 
@@ -393,6 +393,9 @@ class _BaselineSettings:
 
     def get(self, name: str, *args: Any, **kwargs: Any) -> Resolved:
         return self._baseline if name == "baseline" else self._real.get(name, *args, **kwargs)
+
+    def value(self, name: str) -> Any:
+        return self.get(name).value
 
     def path(self, resolved: Resolved) -> Path:
         return self._real.path(resolved)
@@ -479,7 +482,7 @@ def test_each_measure_runs_inside_progress_active(monkeypatch: pytest.MonkeyPatc
     module = types.ModuleType("pytest_dnnsafety.runtime.progress")
 
     @contextlib.contextmanager
-    def active(label: str, write: Any):
+    def active(label: str, write: Any, **options: Any):  # options: the gate's estimate
         inside["now"] = True
         yield
         inside["now"] = False

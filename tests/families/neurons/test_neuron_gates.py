@@ -310,8 +310,9 @@ def test_nan_logits_fail_every_neuron_gate_naming_the_first_bad_batch(gate_proje
         assert gate["details"]["error"].splitlines()[0].startswith(
             "the shared forward pass (model outputs and layer activations): the model's outputs hold NaN/inf in 1 "
             "of 48 inputs; the first bad batch is batch 2.")
-    # the determinism probe's two passes, then one pass of 3 batches; its error reached all three gates
-    result.stdout.fnmatch_lines(["*MODEL CALLS 5*"])
+    # the determinism probe's two passes, the cost probe's two (gates/cost.py) and the memory probe's two
+    # (engines/core/budget.py: 1 and 2 inputs), then one pass of 3 batches; its error reached all three gates
+    result.stdout.fnmatch_lines(["*MODEL CALLS 9*"])
 
 
 def test_float64_model_with_float32_images_fails_the_neuron_gates_naming_both_dtypes(
@@ -323,9 +324,10 @@ def test_float64_model_with_float32_images_fails_the_neuron_gates_naming_both_dt
                                 "RuntimeError on batch 0 (inputs of shape (16, 1, 8, 8), float32, on cpu; "
                                 "model: Conv8 with float64 weights on cpu)")
         assert "Fix: the inputs are float32 but the model's weights are float64" in first
-    # the determinism probe tried 8 rows and the whole batch (both raised: left to the pass), then the pass
-    # failed on its first batch, not retried per gate
-    result.stdout.fnmatch_lines(["*MODEL CALLS 3*"])
+    # the determinism probe tried 8 rows and the whole batch (both raised: left to the pass), the cost probe
+    # and the memory probe tried once each (raised: both fall back), then the pass failed on its first batch, not
+    # retried per gate
+    result.stdout.fnmatch_lines(["*MODEL CALLS 5*"])
 
 
 def test_flattened_inputs_to_a_conv_model_fail_the_neuron_gates_naming_the_shape(gate_project: GateProject) -> None:

@@ -18,6 +18,7 @@ from _gloo import GLOO_AVAILABLE, run_on_gloo_ranks
 
 from pytest_dnnsafety import Conditions, ScenarioTable
 from pytest_dnnsafety.data.tasks import BoxSet, DetectionData
+from _details import reproducible
 from pytest_dnnsafety.gates import evaluate, parse_marker
 from pytest_dnnsafety.settings import SETTINGS, Settings
 
@@ -88,7 +89,7 @@ def _evaluate_all(root: str) -> dict[str, Any]:
             fx = {"model": model, "data": data[name], "scenarios": _table()}
             result = evaluate(spec, fx, settings, f"test_{name}_{i}", cache)
             out[f"{name} {i} {marker}"] = json.loads(json.dumps(
-                [result.status, _num(result.value), _num(result.bound), result.details], default=str))
+                [result.status, _num(result.value), _num(result.bound), reproducible(result.details)], default=str))
     return out
 
 
