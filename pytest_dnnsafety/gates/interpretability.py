@@ -124,7 +124,8 @@ _RULES = (
     Param("outputs", (str,), "auto", one_of("auto", "logits", "probabilities"),
           "say what the model returns: auto (detected), logits or probabilities"),
     Param("max_batch", (int,), 4096, in_range(1, 10**7),
-          "give the most occluded images per forward pass, e.g. max_batch=4096"),
+          "give a cap on the occluded images per forward pass (below it the working-memory budget, "
+          "dnnsafety_max_memory, sizes each forward), e.g. max_batch=256"),
     Param("iou", (int, float), 0.5, _iou,
           "give the IoU (detectors only) a detection needs with an object's box to count as its match, in "
           "(0, 1], e.g. iou=0.5"),
