@@ -21,6 +21,18 @@ import pytest_dnnsafety.scenarios  # noqa: F401  - likewise kept across in-proce
 # libraries once per process) when its module is imported: imported here, before any in-process run, so that
 # pytester's module snapshot keeps it instead of dropping it and re-registering those libraries.
 import pytest_dnnsafety.engines.core.budget  # noqa: F401, E402
+# The HTML report's plots import matplotlib lazily; a first import inside an in-process pytester run would be
+# dropped by its module snapshot while classes of it stay referenced elsewhere (then Figure.add_subplot refuses
+# a GridSpec of the other import): imported here once, as torch is.
+try:
+    import matplotlib.backends.backend_agg  # noqa: F401, E402
+    import matplotlib.colors  # noqa: F401, E402
+    import matplotlib.figure  # noqa: F401, E402
+    import matplotlib.gridspec  # noqa: F401, E402
+    import matplotlib.patches  # noqa: F401, E402
+    import matplotlib.ticker  # noqa: F401, E402
+except ImportError:  # the plots are an optional extra
+    pass
 
 #: The paper's Fig. 2 operating conditions (Cheng et al. 2018, §II-A).
 FIG2_CONDITIONS = """\
