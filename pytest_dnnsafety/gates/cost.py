@@ -4,7 +4,7 @@ A gate's :attr:`~pytest_dnnsafety.gates.core.GateDef.cost` says its work in *sin
 (one input through the model once; a gradient step counts :data:`GRADIENT` forwards) plus its engine's own
 seconds (:class:`Cost`), from its validated options and the :class:`Workload` (inputs, input shape, batch
 size). The evaluation measures the time of one forward per input with a short probe on the gate's own model
-and data (:func:`probe`: two forwards of a few inputs, once per session per (model, data)), multiplies
+and data (:func:`probe`: three forwards of a few inputs, once per session per (model, data)), multiplies
 (:class:`Estimate`), shows the estimate on the progress line, records it in the evidence
 (``details.cost_estimate``) and refuses a gate whose estimate exceeds ``max_seconds`` (:func:`check_budget`)
 before it does any work. No torch import at module level.
@@ -114,7 +114,7 @@ def _short(seconds: float) -> str:
 
 
 def probe(model: Any, data: Any, device: str) -> tuple[float, int, tuple[int, ...] | None] | None:
-    """``(seconds per single-input forward, inputs probed, one input's shape)``: the faster of two forwards of the
+    """``(seconds per single-input forward, inputs probed, one input's shape)``: the fastest of three forwards of the
     data's first :data:`PROBE_INPUTS` inputs (the first pays warm-up), or None when the model or data cannot be
     probed (the gate's own run then names the problem)."""
     import torch
@@ -134,7 +134,7 @@ def probe(model: Any, data: Any, device: str) -> tuple[float, int, tuple[int, ..
             return None
         times = []
         with torch.no_grad():
-            for _ in range(2):
+            for _ in range(3):  # the first pays warm-up; the fastest of the others (a busy machine)
                 start = time.perf_counter()
                 model(x)
                 times.append(time.perf_counter() - start)
@@ -153,6 +153,8 @@ def estimate_for(cost_fn: Callable[[Mapping[str, Any], Workload], Cost] | None, 
     fn = cost_fn or one_pass
     try:
         cost = fn(options, work)
+    except ConfigError:  # the options refused for this workload (a search over max_queries): the gate's error
+        raise
     except Exception as exc:  # noqa: BLE001 - a gate's function: named in the error
         raise GateDefinitionError(f"gate {marker!r}: its cost(options, workload) raised {type(exc).__name__}: {exc}. Fix the GateDef: "
                                   "cost returns pytest_dnnsafety.gates.cost.Cost(forwards, extra_seconds)") from None
@@ -226,22 +228,6 @@ def verified_cost(options: Mapping[str, Any], work: Workload) -> Cost:
     per = 1 + GRADIENT * int(options.get("attack_steps") or 0) + bound
     return per_input(per, f"{per:g} forwards (method={options.get('method')!r}: {bound:g} for the bound, "
                           f"attack_steps={options.get('attack_steps')})", ("method", "attack_steps"))(work)
-
-
-def safe_radius_cost(options: Mapping[str, Any], work: Workload) -> Cost:
-    """Safe radius: the coordinate search (a GPS poll steps along every coordinate both ways: 2 × the input's size per
-    iteration and start), the gradient ascent, and the certified bisection (``certified_steps`` bounds)."""
-    method = options.get("method")
-    poll = 2.0 * work.dims if method == "gps" else (work.dims + 1.0 if method == "mads" else 0.0)
-    search = int(options.get("starts") or 1) * int(options.get("iterations") or 1) * poll
-    ascent = GRADIENT * int(options.get("ascent_starts") or 0) * int(options.get("ascent_steps") or 0)
-    certified = options.get("certified", True)
-    bound = "crown" if certified is True else (certified if isinstance(certified, str) else None)
-    bisection = int(options.get("certified_steps") or 0) * _bound_forwards(bound, work) if bound else 0.0
-    per = 1 + search + ascent + bisection
-    return per_input(per, f"{per:,.0f} forwards (search {search:,.0f} = starts × iterations × a poll of {poll:,.0f}, "
-                          f"ascent {ascent:g}, certified bisection {bisection:,.0f})",
-                     ("iterations", "starts", "method", "certified_steps", "ascent_steps"))(work)
 
 
 def pmi_cost(options: Mapping[str, Any], work: Workload) -> Cost:

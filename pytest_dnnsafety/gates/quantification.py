@@ -29,7 +29,7 @@ from pytest_dnnsafety.gates.hookspecs import hookimpl
 from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
-from pytest_dnnsafety.gates.cost import GRADIENT, Cost, Workload, per_input, safe_radius_cost
+from pytest_dnnsafety.gates.cost import Cost, Workload, per_input
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 
 __all__ = ["MIN_SAFE_RADIUS", "EXPRESSION_NAMES", "pytest_dnnsafety_register_gates"]
@@ -43,18 +43,11 @@ SEARCH_NAMES = ("auto", "coordinate", "gradient", "certified")
 COORDINATE_MAX_DIMS = 4096
 
 
-def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
-    """The ``quantile`` of the per-input certified radii (or, asked for, the estimates d' = s(x)/Q; Theorem 1).
+def _settings(opts: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """``(safety, search budget, certification, plan)``: the engine's option objects from the marker's options (the
+    measure and the cost estimate read the same ones)."""
+    from pytest_dnnsafety.engines.quantification import Certification, SafetyProperty, SearchBudget, SearchPlan
 
-    Under torchrun each rank searches its shard of the data's batches (``ctx.shard``; the draws
-    are keyed by the global input index) and the per-input results are all-gathered, so every
-    rank gets the single-process result.
-    """
-    from pytest_dnnsafety.engines.core.guard import eval_mode
-    from pytest_dnnsafety.engines.quantification import (Certification, GatedRadius, SafetyProperty, SearchBudget,
-                                                         SearchPlan, quantify_safety)
-
-    opts = spec.options
     certified = opts["certified"]
     method = "crown" if certified is True else (None if certified is False else certified)
     if opts["statistic"] == "certified" and method is None:
@@ -68,6 +61,21 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
                           ascent_starts=opts["ascent_starts"])
     certification = None if method is None else Certification(method, opts["certified_steps"])
     plan = SearchPlan(opts["search"], opts["max_queries"], opts["attack_steps"], auto_bound=certified is True)
+    return safety, search, certification, plan
+
+
+def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Measurement:
+    """The ``quantile`` of the per-input certified radii (or, asked for, the estimates d' = s(x)/Q; Theorem 1).
+
+    Under torchrun each rank searches its shard of the data's batches (``ctx.shard``; the draws
+    are keyed by the global input index) and the per-input results are all-gathered, so every
+    rank gets the single-process result.
+    """
+    from pytest_dnnsafety.engines.core.guard import eval_mode
+    from pytest_dnnsafety.engines.quantification import GatedRadius, quantify_safety
+
+    opts = spec.options
+    safety, search, certification, plan = _settings(opts)
     gated = GatedRadius(opts["statistic"], float(opts["quantile"]), opts["worst"])
     with eval_mode(fx["model"]):
         result = quantify_safety(fx["model"], fx["data"], safety, search, certification, gated, seed=ctx.seed,
@@ -78,23 +86,17 @@ def _measure_safe_radius(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
 
 
 def _cost(options: Mapping[str, Any], work: Workload) -> Cost:
-    """The cost of the search ``search='auto'`` would pick (the coordinate search's by :func:`safe_radius_cost`)."""
-    search = options.get("search") or "auto"
-    if search == "auto":
-        coordinate = safe_radius_cost(options, work)
-        small = work.dims <= COORDINATE_MAX_DIMS and coordinate.forwards <= max(work.n, 1) * float(
-            options.get("max_queries") or math.inf)
-        search = "coordinate" if small else "gradient"
-    if search == "coordinate":
-        return safe_radius_cost(options, work)
-    certified = options.get("certified", True)
-    bound = "ibp" if certified is True else (certified or None)
-    steps = int(options.get("certified_steps") or 0) + 1
-    bisection = steps * (2.0 if bound == "ibp" else max(4.0, float(work.dims))) if bound else 0.0
-    attack = GRADIENT * (int(options.get("attack_steps") or 0) + 1)
-    per = 2 + attack + bisection
-    return per_input(per, f"{per:,.0f} forwards (search={search!r}: attack {attack:g}, certified bisection "
-                          f"{bisection:,.0f})", ("attack_steps", "certified_steps", "search"))(work)
+    """The engine's own per-input estimate (:func:`~pytest_dnnsafety.engines.quantification.scale.resolve_search`:
+    the search ``search='auto'`` picks for this input size, its certificate's method) × the inputs. A search over
+    ``max_queries`` is refused here — before the time budget, which depends on a probed (and noisy) time."""
+    from pytest_dnnsafety.engines.quantification import resolve_search
+
+    _, search, certification, plan = _settings(options)
+    method, steps = (None, 0) if certification is None else (certification.method, certification.steps)
+    mode, queries, what, _ = resolve_search(plan, work.dims, search, method, steps)
+    knobs = (("iterations", "starts", "ascent_starts", "ascent_steps", "certified_steps", "search")
+             if mode == "coordinate" else ("attack_steps", "certified_steps", "search"))
+    return per_input(queries, f"search={mode!r}: {what}", knobs)(work)
 
 
 # ------------------------------------------------------------------------------------- marker keywords

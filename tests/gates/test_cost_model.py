@@ -9,7 +9,7 @@ from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.gates import builtin_registry
 from pytest_dnnsafety.gates.core import GateDef, GateDefinitionError
 from pytest_dnnsafety.gates.cost import (BudgetError, Cost, Estimate, Workload, check_budget, estimate_for, one_pass,
-                                         probe, safe_radius_cost)
+                                         probe)
 from pytest_dnnsafety.settings import Resolved
 
 IMAGE = Workload(2, (3, 224, 224), 8)
@@ -38,11 +38,33 @@ def test_every_many_pass_family_has_a_hook() -> None:
 
 
 def test_the_coordinate_search_at_224_is_hundreds_of_thousands_of_forwards() -> None:
-    small = safe_radius_cost(_options("min_safe_radius", d=0.1, method="gps"), DIGIT)
-    big = safe_radius_cost(_options("min_safe_radius", d=0.1, method="gps"), IMAGE)
+    small = _cost("min_safe_radius", DIGIT, d=0.1, method="gps", search="coordinate")
+    big = _cost("min_safe_radius", IMAGE, d=0.1, method="gps", search="coordinate", max_queries=10**12)
     assert big.forwards / IMAGE.n >= 2 * 3 * 224 * 224  # a GPS poll: 2n forwards
     assert big.forwards / IMAGE.n > 1000 * small.forwards / DIGIT.n
-    assert "iterations" in big.knobs
+    assert "iterations" in big.knobs and "search='coordinate'" in big.what
+
+
+def test_the_safe_radius_estimate_is_the_engines_own() -> None:
+    """The gate's cost reads the engine's plan (one estimate, not two): the search 'auto' picks and its queries."""
+    from pytest_dnnsafety.engines.quantification import SearchBudget, SearchPlan, plan_search
+
+    auto = _cost("min_safe_radius", IMAGE, d=0.1)
+    assert "search='gradient'" in auto.what  # 150,528 elements: never the coordinate search
+    options = _options("min_safe_radius", d=0.1)
+    _, queries, _ = plan_search(SearchPlan(attack_steps=options["attack_steps"]), 64,
+                                SearchBudget(options["method"], options["iterations"], options["starts"],
+                                             ascent_steps=options["ascent_steps"],
+                                             ascent_starts=options["ascent_starts"]),
+                                "crown", options["certified_steps"])
+    assert _cost("min_safe_radius", DIGIT, d=0.1).forwards == pytest.approx(queries * DIGIT.n)
+
+
+def test_a_search_over_max_queries_is_refused_by_the_estimate_not_the_clock() -> None:
+    """Deterministic: the options' refusal comes before (and without) any probed time."""
+    with pytest.raises(ConfigError, match="above max_queries=1,000; refused before any work"):
+        estimate_for(builtin_registry()["min_safe_radius"].cost,
+                     _options("min_safe_radius", d=0.1, search="coordinate", max_queries=1000), DIGIT, None)
 
 
 def test_attacks_scale_with_steps_and_occlusion_with_positions() -> None:

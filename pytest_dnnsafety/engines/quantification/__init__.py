@@ -138,7 +138,7 @@ from pytest_dnnsafety.engines.quantification.options import (
     SEARCH_MODES, STATISTICS, Certification, GatedRadius, SafetyProperty, SearchBudget, SearchPlan,
 )
 from pytest_dnnsafety.engines.quantification.scale import (
-    COORDINATE_MAX_DIMS, estimate_queries, gradient_search, plan_search,
+    COORDINATE_MAX_DIMS, estimate_queries, gradient_search, plan_search, resolve_search,
 )
 from pytest_dnnsafety.engines.quantification.search import LipschitzSearch, lipschitz_search
 
@@ -149,5 +149,5 @@ __all__ = [
     "LipschitzSearch", "lipschitz_search", "gradient_ascent", "pgd_nearest_unsafe", "certified_radius",
     "SafetyQuantification", "quantify_safety", "SafeRadiusEngine",
     "SafetyProperty", "SearchBudget", "Certification", "GatedRadius", "SearchPlan", "SEARCH_MODES",
-    "COORDINATE_MAX_DIMS", "estimate_queries", "plan_search", "gradient_search",
+    "COORDINATE_MAX_DIMS", "estimate_queries", "plan_search", "resolve_search", "gradient_search",
 ]

@@ -29,7 +29,7 @@ from pytest_dnnsafety.engines.quantification.engine import WORST_COLUMNS, SafeRa
 from pytest_dnnsafety.engines.quantification.gradients import pgd_nearest_unsafe
 from pytest_dnnsafety.engines.quantification.options import (Certification, GatedRadius, SafetyProperty, SearchBudget,
                                                              SearchPlan)
-from pytest_dnnsafety.engines.quantification.scale import gradient_search, plan_search
+from pytest_dnnsafety.engines.quantification.scale import gradient_search, resolve_search
 from pytest_dnnsafety.engines.quantification.search import lipschitz_search
 
 __all__ = ["SafetyQuantification", "quantify_safety"]
@@ -378,13 +378,8 @@ def quantify_safety(
         nonlocal outputs_seen, settings, bounded, reason, pgd_reason, certified
         x, start = batch.x, batch.start
         if not chosen:
-            bound = certified
-            if certified == "crown" and plan.auto_bound and plan.search != "coordinate":
-                bound = "ibp" if plan_search(plan, math.prod(x.shape[1:]), search, "ibp", steps)[0] != \
-                    "coordinate" else "crown"
-            mode, queries, _ = plan_search(plan, math.prod(x.shape[1:]), search, bound, steps)
+            mode, queries, _, certified = resolve_search(plan, math.prod(x.shape[1:]), search, certified, steps)
             chosen.update(search=mode, queries=queries)
-            certified = bound
         mode = chosen["search"]
         if mode == "coordinate":
             res = lipschitz_search(model, x, safety, search, seed=seed, index_offset=start, outputs=outputs_seen,

@@ -42,7 +42,7 @@ from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.runtime.progress import tick
 
 __all__ = ["COORDINATE_MAX_DIMS", "GRADIENT", "BOUND_FORWARDS", "estimate_queries", "plan_search",
-           "gradient_search"]
+           "resolve_search", "gradient_search"]
 
 #: ``search="auto"`` runs the coordinate search only for inputs of at most this many elements.
 COORDINATE_MAX_DIMS = 4096
@@ -93,6 +93,18 @@ def plan_search(plan: SearchPlan, dims: int, budget: SearchBudget, bound: str | 
             f"{what}, above max_queries={plan.max_queries:,}; refused before any work. Fix: shrink it with "
             f"{knobs}{alt}; or raise max_queries=.")
     return search, queries, what
+
+
+def resolve_search(plan: SearchPlan, dims: int, budget: SearchBudget, certified: str | None,
+                   bound_steps: int) -> tuple[str, float, str, str | None]:
+    """``(search, queries per input, what, bound method)``: :func:`plan_search` with the certificate's method resolved
+    — ``certified=True`` (``plan.auto_bound``, given as ``"crown"``) keeps CROWN for the coordinate search and uses IBP
+    for the others. The one place the engine and the gate's cost estimate both ask (so they cannot disagree)."""
+    bound = certified
+    if certified == "crown" and plan.auto_bound and plan.search != "coordinate":
+        bound = "ibp" if plan_search(plan, dims, budget, "ibp", bound_steps)[0] != "coordinate" else "crown"
+    search, queries, what = plan_search(plan, dims, budget, bound, bound_steps)
+    return search, queries, what, bound
 
 
 def gradient_search(model: Any, x: Tensor, safety: SafetyProperty, plan: SearchPlan, *, outputs: str = "auto",

@@ -139,7 +139,7 @@ def test_statistic_estimate_with_the_certified_search_is_a_config_error() -> Non
 def test_the_gate_cost_follows_the_search() -> None:
     from pytest_dnnsafety.gates.cost import Workload
 
-    opts = {p.name: p.default for p in gate.MIN_SAFE_RADIUS.params}
+    opts = {**{p.name: p.default for p in gate.MIN_SAFE_RADIUS.params}, "d": 0.05}
     work = Workload(2, (3, 224, 224))
     cost = gate._cost(opts, work)
     assert "search='gradient'" in cost.what and cost.forwards < 2 * 100
