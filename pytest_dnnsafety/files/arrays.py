@@ -21,7 +21,7 @@ from typing import IO, Any
 from pytest_dnnsafety.files.archives import NotValid, Refused, describe_bytes, describe_file, open_zip
 from pytest_dnnsafety.files.parsing import format_bytes, open_regular
 
-__all__ = ["LARGE_FIX", "TooLarge", "read_npy", "read_npz"]
+__all__ = ["LARGE_FIX", "TooLarge", "npy_header", "read_npy", "read_npz"]
 
 
 class TooLarge(Exception):
@@ -33,23 +33,24 @@ LARGE_FIX = ("Fix: data this large should stream instead of being read into memo
              "split the file; if the header is wrong, write the file again")
 
 
-def _npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], Any]:
-    """The shape and dtype in an .npy header (the stream is left after the header); ValueError if malformed."""
+def npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], Any, bool]:
+    """``(shape, dtype, fortran_order)`` from an .npy header (the stream is left after it); ValueError if malformed
+    (a negative dimension included). Never reads past the header."""
     import numpy as np
 
     version = np.lib.format.read_magic(stream)
     if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
     elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
     else:
         header = getattr(np.lib.format, "_read_array_header", None)  # 3.0: utf-8 field names
         if header is None:
             raise ValueError(f"unsupported .npy format version {version}")
-        shape, _, dtype = header(stream, version)
+        shape, fortran, dtype = header(stream, version)
     if any(not isinstance(dim, int) or dim < 0 for dim in shape):
         raise ValueError(f"shape {shape} has a negative dimension")
-    return tuple(shape), dtype
+    return tuple(shape), dtype, bool(fortran)
 
 
 def read_npy(stream: IO[bytes], label: str, size: int, budget: int) -> Any:
@@ -62,7 +63,7 @@ def read_npy(stream: IO[bytes], label: str, size: int, budget: int) -> Any:
     import numpy as np
 
     try:
-        shape, dtype = _npy_header(stream)
+        shape, dtype, _ = npy_header(stream)
     except (ValueError, EOFError, OSError, SyntaxError) as exc:
         raise NotValid(f"a damaged .npy header in {label} ({type(exc).__name__}: {exc})") from None
     if dtype.hasobject:

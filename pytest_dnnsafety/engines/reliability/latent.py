@@ -28,6 +28,7 @@ from torch import Tensor
 
 from pytest_dnnsafety.engines.reliability.profile import PCA, OperationalProfile
 from pytest_dnnsafety.errors import ConfigError, DataError
+from pytest_dnnsafety.files.arrays import npy_header
 
 __all__ = ["KDE_MAX_DIM", "NpyRows", "OperationalInputs", "fit_pca", "latent_profile", "encoder_pair",
            "high_dimensional_error"]
@@ -63,15 +64,9 @@ class NpyRows:
         self.path, self.what = Path(path), what
         try:
             with open(self.path, "rb") as handle:
-                version = np.lib.format.read_magic(handle)
-                if version == (1, 0):
-                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
-                elif version == (2, 0):
-                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
-                else:
-                    shape, fortran, dtype = np.lib.format._read_array_header(handle, version)  # noqa: SLF001
+                shape, dtype, fortran = npy_header(handle)
                 self.offset = handle.tell()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError, SyntaxError) as exc:
             raise DataError(f"{what}: {self.path} is not a readable .npy file: {exc}") from None
         if dtype.hasobject:
             raise DataError(f"{what}: {self.path} holds Python objects; refused. Fix: save a numeric array")

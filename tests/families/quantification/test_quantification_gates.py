@@ -281,10 +281,14 @@ NAN_LOGITS = """
 """
 
 
-def test_nan_logits_are_an_error_for_both_statistics(gate_project: GateProject, files: Path) -> None:
-    """A model that returns NaN on some inputs never passes, whichever radius the gate compares."""
+def test_nan_logits_are_an_error_for_both_statistics_and_every_search(gate_project: GateProject, files: Path) -> None:
+    """A model that returns NaN on some inputs never passes, whichever radius the gate compares and whichever search
+    (the coordinate search, the batched gradient search, the bounds only) ran."""
     estimate = HEALTHY["runner_up"].replace("data=", "statistic='estimate', data=")
-    project = _project(gate_project, files, {"default": HEALTHY["runner_up"], "estimate": estimate}, NAN_LOGITS)
+    gradient = HEALTHY["runner_up"].replace("data=", "search='gradient', data=")
+    certified = HEALTHY["runner_up"].replace("data=", "search='certified', data=")
+    markers = {"default": HEALTHY["runner_up"], "estimate": estimate, "gradient": gradient, "certified": certified}
+    project = _project(gate_project, files, markers, NAN_LOGITS)
     assert _run(project).ret != 0
     for name, gate in gates_of(project).items():
         assert gate["status"] == "error", (name, gate)

@@ -72,10 +72,8 @@ def test_feature_extractor_without_decoder_is_refused_with_the_fix() -> None:
 
 
 # ---------------------------------------------------------------- through the gate
-IMAGES = """
-import torch
-
-
+#: An image data set made per index (never held): ``{side}``² images whose brightness says the class.
+IMAGES_CLASS = """
 class Images(torch.utils.data.Dataset):
     def __init__(self, n, seed):
         self.n, self.seed = n, seed
@@ -85,9 +83,10 @@ class Images(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(self.seed * 1000 + i)
-        y = i % 2
-        return (0.2 * torch.rand(3, 24, 24, generator=g) + 0.3 + 0.2 * y), y
+        return ({scale} * torch.rand(3, {side}, {side}, generator=g) + {offset} * (i % 2) + {base}), i % 2
+"""
 
+IMAGES = "import torch\n\n" + IMAGES_CLASS.format(side=24, scale=0.2, offset=0.2, base=0.3) + """
 
 def loader():
     return torch.utils.data.DataLoader(Images(60, 1), batch_size=16)
@@ -170,22 +169,26 @@ def test_latent_balls():
     assert "latent= puts grid cells in a latent space" in text
 
 
-MEMORY_CONFTEST = """
+def test_the_latent_route_fails_a_model_that_swaps_the_classes(image_project: GateProject) -> None:
+    """Known answer: the model calls every bright image dark and back; on latent cells labelled from the labelled
+    points (the plain truth here) the bound must be far above the threshold: FAIL, never a pass."""
+    image_project.write("conftest.py", CONFTEST.replace("torch.stack([0.5 - m, m - 0.5]", "torch.stack([m - 0.5, 0.5 - m]"))
+    image_project.ini["dnnsafety_operational_data"] = "pmi_latent_images:loader"
+    image_project.tests("""
 import pytest
-import torch
+
+@pytest.mark.max_pmi_ub(0.1, latent=2, clip=(0, 1), samples_per_cell=20, bootstrap=0, max_cells=20,
+                        empty_cell_label="nearest", accept_violated_assumptions=True)
+def test_latent():
+    pass
+""")
+    result = image_project.run("--dnnsafety-json=e.json")
+    gate = _gates(image_project)["test_latent"]
+    assert result.ret != 0 and gate["status"] == "failed", gate
+    assert gate["value"] > 0.5, gate["summary"]
 
 
-class Images(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        self.n, self.seed = n, seed
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(self.seed * 1000 + i)
-        return (0.25 * torch.rand(3, 224, 224, generator=g) + 0.5 * (i % 2)), i % 2
-
+MEMORY_CONFTEST = "import pytest\nimport torch\n\n" + IMAGES_CLASS.format(side=224, scale=0.25, offset=0.5, base=0.0) + """
 
 class Head(torch.nn.Module):  # a small stand-in: the memory measured is the data handling's
     def __init__(self):

@@ -62,6 +62,18 @@ def test_reversed_last_layer_fails_with_crown_ibp(digits: tuple[torch.Tensor, to
     assert result.verified == 0 and result.falsified >= 40
 
 
+@pytest.mark.parametrize("method", ["crown-ibp", "auto"])
+def test_nan_logits_are_refused_by_the_new_modes(digits: tuple[torch.Tensor, torch.Tensor], method: str) -> None:
+    """Non-finite outputs never become verdicts: the runner's guard refuses them before any bound (one NaN weight
+    in the last layer: one class's logit is NaN on every input)."""
+    model = digits_cnn()
+    with torch.no_grad():
+        model.classifier[2].weight[3, 0] = float("nan")
+    with pytest.raises(Exception, match="(?i)nan") as info:
+        verify_robustness(model, digits, 0.01, method=method, clip=CLIP)
+    assert "Fix" in str(info.value) or "fix" in str(info.value)
+
+
 def test_constant_model_exact_with_crown_ibp() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.ReLU(), nn.Linear(10, 10))
     with torch.no_grad():
