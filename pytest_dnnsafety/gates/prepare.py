@@ -103,9 +103,9 @@ def estimated(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Estima
     if "model" in fx and data is not None:
         found = ctx.memo("cost-probe", (fx["model"], data), (ctx.device,),
                          lambda: probe(fx["model"], data, ctx.device))
-    per, probed, shape = found if found is not None else (None, 0, None)
+    per, probed, shape, example = found if found is not None else (None, 0, None, None)
     if ranks.active():  # every rank must refuse or run alike: the slowest rank's time per forward
         times = [t for t in ranks.gather(per) if t is not None]
         per = max(times) if times else None
-    work = Workload(n, shape, ctx.batch_size)
+    work = Workload(n, shape, ctx.batch_size, fx.get("model") if example is not None else None, example)
     return estimate_for(spec.definition.cost, spec.options, work, per, probed, spec.marker)

@@ -108,6 +108,23 @@ def test_probe_times_a_forward_and_gives_the_input_shape() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))
     found = probe(model, (torch.rand(10, 3, 2, 2), torch.zeros(10, dtype=torch.long)), "cpu")
     assert found is not None
-    per, inputs, shape = found
-    assert per > 0 and inputs == 4 and shape == (3, 2, 2)
+    per, inputs, shape, example = found
+    assert per > 0 and inputs == 4 and shape == (3, 2, 2) and example.shape == (4, 3, 2, 2)
     assert probe(lambda x: 1 / 0, torch.rand(3, 2), "cpu") is None  # the gate itself names a broken model
+
+
+def test_the_bound_estimate_reads_the_unstable_neurons_of_the_probed_inputs() -> None:
+    """With the probe's inputs, verified robustness asks the engine (IBP's unstable neurons): full CROWN at a wide
+    ball costs more than at a tiny one (its max-pooling keeps a floor), and far more than CROWN-IBP; without them,
+    the rough figure."""
+    from _digits import digits_cnn, digits_images
+
+    model, (x, _) = digits_cnn(), digits_images(4)
+    work = Workload(4, tuple(x.shape[1:]), 256, model, x)
+    wide = _cost("min_verified_robustness", work, eps=0.1, method="crown")
+    tiny = _cost("min_verified_robustness", work, eps=1e-6, method="crown")
+    cheap = _cost("min_verified_robustness", work, eps=0.1, method="crown-ibp")
+    assert wide.forwards > 1.5 * tiny.forwards and wide.forwards > 10 * cheap.forwards
+    assert "bound passes" in wide.what
+    rough = _cost("min_verified_robustness", Workload(4, tuple(x.shape[1:])), eps=0.1, method="crown")
+    assert "rough" in rough.what

@@ -59,7 +59,8 @@ from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.engines.core.guard import model_dtype_device
 from pytest_dnnsafety.runtime.sizes import parse_memory
 from pytest_dnnsafety.engines.bounds.crown import DEFAULT_MAX_MEMORY, BoundState, memory_plan
-from pytest_dnnsafety.engines.bounds.crown_ibp import check_method, margins as method_margins
+from pytest_dnnsafety.engines.bounds.crown_ibp import AUTO_MAX_PASSES, check_method, estimate as estimate_cost
+from pytest_dnnsafety.engines.bounds.crown_ibp import margins as method_margins
 from pytest_dnnsafety.engines.bounds.ops import (AffineOp, ConcatOp, ConvOp, ConvTransposeOp, LeakyReluOp, LinearOp, MaxPoolOp, Op,
                          PermuteOp, PositiveLinearOp, ReluOp, ReshapeOp, SumOp)
 from pytest_dnnsafety.engines.bounds.layers import (_ELEMENTWISE_KINDS, _ELEMENTWISE_MODULES, _FIX, _KWARGS, _REFUSED_FUNCTIONS,
@@ -374,6 +375,24 @@ class BoundedModel:
                 shape = (lo.shape[0], *states[0].ops[states[0].out].out_shape)
                 return lo.reshape(shape), hi.reshape(shape)
             return lo, hi
+
+    def estimate_passes(self, x_lo: Tensor, x_hi: Tensor, method: str = "auto") -> Tensor:
+        """Per input of the box, the model passes a margin bound by ``method`` is estimated to take
+        (:func:`.crown_ibp.estimate`: IBP on the box, then full CROWN's rows from its unstable neurons, or
+        CROWN-IBP's from the specification; ``"auto"`` picks as :meth:`margin_lower_bounds` does). ``(B,)`` float64
+        on the CPU. Costs one interval pass."""
+        method = check_method(method)
+        with torch.no_grad():
+            state = self._prepare(x_lo, x_hi, check=False)
+            classes = state.ops[state.out].out_shape[0] if len(state.ops[state.out].out_shape) == 1 else 2
+            if method == "ibp":
+                return torch.full((state.batch,), 2.0, dtype=torch.float64)
+            full, crown_ibp, _ = estimate_cost(state, max(1, classes - 1))
+        if method == "crown":
+            return full
+        if method == "crown-ibp":
+            return crown_ibp
+        return torch.where(full <= AUTO_MAX_PASSES, full, crown_ibp)
 
     def margin_lower_bounds(self, x_lo: Tensor, x_hi: Tensor, y: Tensor, method: str = "crown", *,
                             check: bool = True, used: list[Tensor] | None = None) -> Tensor:
