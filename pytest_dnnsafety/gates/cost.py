@@ -290,6 +290,15 @@ def monitor_cost(options: Mapping[str, Any], work: Workload) -> Cost:
     return per_input(per, f"{per:g} forwards (fit, clean, {faulted:g} faulted)", ("faults", "severity"))(work)
 
 
+def overhead_cost(options: Mapping[str, Any], work: Workload) -> Cost:
+    """Monitor overhead: fitting (about a pass), the monitor's shared pass, and the model alone timed
+    ``1 + repeats`` times (a warm-up, then the repeats whose median is taken)."""
+    repeats = int(options.get("repeats") or 1)
+    per = 3.0 + repeats
+    return per_input(per, f"{per:g} forwards (fit, the monitor's pass, the model timed 1 + {repeats} times)",
+                     ("repeats",))(work)
+
+
 #: Engine seconds of one image in one bootstrap resample (matching and averaging; rough).
 _BOOTSTRAP_SECONDS = 5e-5
 

@@ -42,7 +42,7 @@ from pytest_dnnsafety.gates.family import Family
 from pytest_dnnsafety.report.plots import plot_faults, plot_ranking
 from pytest_dnnsafety.results import Measurement
 from pytest_dnnsafety.gates.core import REQUIRED, GateContext, GateDef, GateRegistry, GateSpec, Param
-from pytest_dnnsafety.gates.cost import monitor_cost
+from pytest_dnnsafety.gates.cost import monitor_cost, overhead_cost
 from pytest_dnnsafety.gates.checks import in_range, is_interval, one_of
 from pytest_dnnsafety.gates.shared import activation_cache
 
@@ -255,6 +255,7 @@ MAX_MONITOR_OVERHEAD = GateDef(
     ),
     fixtures={"model": "model", "data": "dataset", "fit_data": "monitor_data", "monitors": "monitors"},
     measure=_measure_overhead,
+    cost=overhead_cost,
     timed=True,  # a wall-clock ratio: under torchrun only rank 0 times it and every rank takes its verdict
     doc="fail if the monitor's time per input exceeds `threshold` times the model's forward time per input",
 )

@@ -8,8 +8,10 @@ per gate family. This test generates the data (``SCALE_TEST_N`` evaluation
 images, default 2,000) and trains quick weights once (both cached in the temporary folder, keyed by
 the project's source), then runs the project's benchmark runner (``python -m scale_demo.bench``):
 one driver that imported torch once forks a child per module, each running a fresh pytest session
-with its peak RSS reset. It asserts that every built-in marker reached a verdict (passed or failed,
-never error or inconclusive) and that every module's peak RSS stayed below 4 GiB.
+with its peak RSS reset, the ResNet gated from its ``.pt2`` export (``--pt2``) and the operational
+profile read both from the project's DataLoader factory and from a ``.npy`` file. It asserts that
+every built-in marker reached a verdict (passed or failed, never error or inconclusive) and that
+every module's peak RSS stayed below 4 GiB.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def cached() -> tuple[Path, Path]:
 @pytest.mark.slow
 def test_every_gate_family_reaches_a_verdict_at_scale(cached: tuple[Path, Path], tmp_path: Path) -> None:
     data, models = cached
-    args = ["scale_demo.bench", "--n", str(N), "--width", "8", "--json", str(tmp_path / "results.json"),
+    args = ["scale_demo.bench", "--n", str(N), "--width", "8", "--pt2", "--json", str(tmp_path / "results.json"),
             "--out", str(tmp_path / "bench")]
     for subset in SUBSETS:
         args += ["--subset", subset]
@@ -84,6 +86,9 @@ def test_every_gate_family_reaches_a_verdict_at_scale(cached: tuple[Path, Path],
            if g["status"] not in VERDICTS]
     assert not bad, bad
     assert result["units"]["test_scenarios"]["fixture_sizes"]["dataset"] == N
+    assert result["pt2"] and {u for u in result["units"]} >= {"test_reliability", "test_reliability[npy]"}
+    accuracy = {g["unit"]: g for g in gates if g["marker"] == "min_scenario_accuracy"}
+    assert accuracy["test_scenarios"]["estimated_s"] is not None  # the estimate printed before the gate ran
     for unit, record in result["units"].items():
         assert record["peak_rss_kib"] < PEAK_RSS_LIMIT_KIB, (unit, record["peak_rss_kib"] / 1024, "MiB")
         assert record["workers_peak_rss_kib"] < PEAK_RSS_LIMIT_KIB, (unit, record["workers_peak_rss_kib"] / 1024)

@@ -32,7 +32,7 @@ def test_every_many_pass_family_has_a_hook() -> None:
     registry = builtin_registry()
     for marker in ("max_adversarial_confidence_loss", "min_robust_accuracy", "min_verified_robustness",
                    "min_safe_radius", "max_pmi_ub", "min_interpretation_precision", "min_occlusion_sensitivity",
-                   "max_occlusion_sensitivity", "min_monitor_detection", "max_monitor_selective_risk",
+                   "max_occlusion_sensitivity", "min_monitor_detection", "max_monitor_selective_risk", "max_monitor_overhead",
                    "min_detection_map", "min_detection_recall"):
         assert registry[marker].cost is not None, marker
 
@@ -65,6 +65,11 @@ def test_a_search_over_max_queries_is_refused_by_the_estimate_not_the_clock() ->
     with pytest.raises(ConfigError, match="above max_queries=1,000; refused before any work"):
         estimate_for(builtin_registry()["min_safe_radius"].cost,
                      _options("min_safe_radius", d=0.1, search="coordinate", max_queries=1000), DIGIT, None)
+
+
+def test_monitor_overhead_counts_its_timed_repeats() -> None:
+    assert _cost("max_monitor_overhead", DIGIT, monitor="m", repeats=5).forwards == 8 * DIGIT.n
+    assert _cost("max_monitor_overhead", DIGIT, monitor="m", repeats=1).forwards == 4 * DIGIT.n
 
 
 def test_attacks_scale_with_steps_and_occlusion_with_positions() -> None:

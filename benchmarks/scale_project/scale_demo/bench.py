@@ -15,7 +15,15 @@ records:
 
 So no module inherits the heap an earlier one left behind, and every peak is that module's own. The
 JSON holds the environment (Python, torch, plugin, device, CPU threads, load average), the sizes and
-the records; the Markdown is a table for the README.
+the records; the Markdown is a table for the README, each gate's measured seconds beside the estimate
+it printed before it ran (``details.cost_estimate``).
+
+A unit ``module[variant]`` runs the module with the variant's environment (:data:`VARIANTS`):
+``test_reliability[npy]`` gives the operational profile as a ``.npy`` file instead of the project's
+``DataLoader`` factory. ``--pt2`` exports the ResNet (``torch.export``) and gates that file
+(``DNNSAFETY_MODEL``); ``--certified-size 224`` runs the certified gates on the ResNet at 224x224.
+``--real`` is the production-width preset of issue #30: width 64, ``--pt2``, certified gates at 224x224
+(one image for the bounds, two for the safe radius), 200 evaluation images and 200 for every subset.
 """
 
 from __future__ import annotations
@@ -36,7 +44,13 @@ __all__ = ["UNITS", "SUBSETS", "ensure_data", "ensure_models", "measure", "markd
 
 #: Test modules of the project, each measured in its own forked process, cheapest first.
 UNITS = ("test_data", "test_scenarios", "test_neurons", "test_inspection", "test_monitors", "test_robustness",
-         "test_interpretation", "test_reliability", "test_vit", "test_detection")
+         "test_interpretation", "test_reliability", "test_reliability[npy]", "test_vit", "test_detection")
+#: Environment of a unit variant ``module[variant]`` (``{npy}``: the operational images as a .npy file).
+VARIANTS = {"npy": {"DNNSAFETY_OPERATIONAL_DATA": "{npy}"}}
+#: ``--real``: the ResNet-18 at its real width and 224x224 everywhere, 200 images per family.
+REAL = {"n": 200, "train": 1000, "width": 64, "epochs": 3, "certified_size": 224,
+        "subsets": {"SCALE_N_ATTACK": 200, "SCALE_N_OCCLUSION": 200, "SCALE_N_CERTIFIED": 1, "SCALE_N_RADIUS": 2,
+                    "SCALE_N_FIT": 200, "SCALE_N_PMI": 200}}
 #: Subset sizes (environment variable: default); see tests/conftest.py.
 SUBSETS = {"SCALE_N_ATTACK": 500, "SCALE_N_OCCLUSION": 200, "SCALE_N_CERTIFIED": 4, "SCALE_N_RADIUS": 2,
            "SCALE_N_FIT": 1000, "SCALE_N_PMI": 60}
@@ -51,8 +65,9 @@ import pytest
 import pytest_dnnsafety.plugin.hooks, pytest_dnnsafety.gates  # noqa: F401
 import scale_demo.data, scale_demo.project  # noqa: F401
 
-units, out = json.loads(sys.argv[1]), sys.argv[2]
+units, out, variants = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 for unit in units:
+    module, _, variant = unit.partition("[")
     child = os.fork()  # a fresh copy of the clean driver per module: no heap left over from an earlier one
     if child == 0:
         code = 3
@@ -62,10 +77,11 @@ for unit in units:
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            os.environ.update(variants.get(variant.rstrip("]"), {}))
             os.environ["SCALE_RECORD"] = os.path.join(out, unit)
             os.makedirs(os.environ["SCALE_RECORD"], exist_ok=True)
             began = time.perf_counter()
-            code = int(pytest.main([f"tests/{unit}.py", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+            code = int(pytest.main([f"tests/{module}.py", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
                                     f"--dnnsafety-json={out}/{unit}/evidence.json"]))
             wall = time.perf_counter() - began
             status = open("/proc/self/status").read()
@@ -94,11 +110,12 @@ def ensure_data(n: int, train: int) -> Path:
     return folder
 
 
-def ensure_models(width: int, epochs: int = 2) -> None:
+def ensure_models(width: int, epochs: int = 2, kinds: tuple[str, ...] = ("resnet", "vit", "resnet_small", "detector")
+                  ) -> None:
     """Train the models whose weights are missing (``python -m scale_demo.train``)."""
     from .train import main as train
 
-    missing = [kind for kind in ("resnet", "vit", "resnet_small", "detector") if not project.weights_path(kind, width).exists()]
+    missing = [kind for kind in kinds if not project.weights_path(kind, width).exists()]
     if missing:
         train(["--width", str(width), "--epochs", str(epochs), "--models", *missing])
 
@@ -117,8 +134,9 @@ def _environment() -> dict[str, Any]:
 
 
 def measure(n: int, width: int, out: Path, units: tuple[str, ...] = UNITS, subsets: dict[str, int] | None = None,
-            timeout: float | None = None) -> dict[str, Any]:
+            timeout: float | None = None, pt2: bool = False, certified_size: int | None = None) -> dict[str, Any]:
     """Run every unit in a forked child of one driver; the records as a dict (see the module docstring)."""
+    from .data import operational_npy
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sizes = {**SUBSETS, **(subsets or {})}
@@ -128,10 +146,23 @@ def measure(n: int, width: int, out: Path, units: tuple[str, ...] = UNITS, subse
     env.update(SCALE_DATA=str(data), SCALE_MODELS=str(project.models_dir()), SCALE_WIDTH=str(width),
                DNNSAFETY_SCENARIOS=str(data / "scenarios.csv"), DNNSAFETY_CONDITIONS=str(data / "conditions.toml"),
                PYTHONPATH=os.pathsep.join(p for p in [str(project.ROOT), env.get("PYTHONPATH", "")] if p))
+    if certified_size is not None:
+        env["SCALE_CERTIFIED_SIZE"] = str(certified_size)
+    if pt2:
+        env["DNNSAFETY_MODEL"] = str(project.export(width))
+    variants: dict[str, dict[str, str]] = {}
+    for unit in units:
+        _, _, variant = unit.partition("[")
+        variant = variant.rstrip("]")
+        if variant:
+            os.environ["SCALE_N_PMI"] = str(sizes["SCALE_N_PMI"])
+            fill = {"npy": str(operational_npy(data))} if variant == "npy" else {}
+            variants[variant] = {k: v.format(**fill) for k, v in VARIANTS[variant].items()}
     result: dict[str, Any] = {"environment": _environment(), "n": n, "width": width, "subsets": sizes,
-                              "units": {}, "gates": []}
+                              "pt2": pt2, "certified_size": certified_size or project.SMALL, "units": {}, "gates": []}
     began = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(list(units)), str(out)], cwd=project.ROOT,
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(list(units)), str(out), json.dumps(variants)],
+                          cwd=project.ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     result["total_wall_s"] = round(time.perf_counter() - began, 1)
     result["environment"]["load_average_at_end"] = os.getloadavg()
@@ -163,11 +194,16 @@ def collect(result: dict[str, Any], out: Path, units: tuple[str, ...], partial: 
             fixture = _data_fixture(gate)
             inputs = record["sizes"].get(fixture)
             seconds = gate.get("seconds")
+            details = gate.get("details") or {}
+            spent = (seconds or 0.0) + (details.get("shared_pass_seconds") or 0.0)  # the pass it triggered too
+            estimate = (details.get("cost_estimate") or {}).get("estimated_seconds")
             result["gates"].append({
                 "unit": unit, "test": gate["nodeid"].split("::")[-1], "marker": gate["marker"],
                 "status": gate["status"], "value": gate.get("value"), "threshold": gate.get("threshold"),
-                "op": gate.get("op"), "summary": gate.get("summary"), "seconds": seconds, "data": fixture,
-                "inputs": inputs, "inputs_per_s": inputs / seconds if inputs and seconds else None,
+                "op": gate.get("op"), "summary": gate.get("summary"), "seconds": seconds, "estimated_s": estimate,
+                "pass_s": details.get("shared_pass_seconds"),
+                "data": fixture,
+                "inputs": inputs, "inputs_per_s": inputs / spent if inputs and spent else None,
                 "unit_wall_s": process["wall_s"], "peak_rss_kib": process["peak_rss_kib"],
                 "workers_peak_rss_kib": process["workers_peak_rss_kib"], "gpu_peak_bytes": process["gpu_peak_bytes"],
             })
@@ -186,21 +222,34 @@ def _data_fixture(gate: dict[str, Any]) -> str | None:
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     threads = sorted({(u.get("threads") or {}).get("threads") for u in result["units"].values()} - {None})
-    lines = [f"N = {result['n']} evaluation images (3x224x224), ResNet-18 width {result['width']}; "
+    model = " (.pt2)" if result.get("pt2") else ""
+    lines = [f"N = {result['n']} evaluation images (3x224x224), ResNet-18 width {result['width']}{model}, certified "
+             f"gates at {result.get('certified_size', project.SMALL)}²; "
              f"{env['device']}, torch {env['torch']}, {env['usable_cores']} usable cores, torch threads {threads}, "
              f"load average {env['load_average_at_start'][0]:.1f} at start, {env['load_average_at_end'][0]:.1f} at "
              f"end; total {result['total_wall_s']:.0f} s.", "",
-             "A gate under 0.5 s reused its module's shared computation (or reads no images): no rate. "
+             "A gate under 0.5 s (with its pass) reused its module's shared computation (or reads no images): no rate. "
              "Workers' peak: the largest DataLoader worker's peak RSS, pages shared with its parent included.", "",
-             "| module | gate | verdict | data (images) | gate s | images/s | module wall s | model rows | "
-             "peak RSS MiB | workers' peak MiB | GPU peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Pass s: the shared forward pass the gate triggered (kept out of its own seconds). Estimate s: what "
+             "the gate printed before it ran (its cost model × a probed time per forward), which counts that pass; "
+             "a gate that reuses a pass estimates it too. Ratio: (gate s + pass s) / estimate s.", "",
+             "| module | gate | verdict | data (images) | gate s | pass s | estimate s | ratio | images/s | module wall s | "
+             "model rows | peak RSS MiB | workers' peak MiB | GPU peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in result["gates"]:
         gpu = f"{g['gpu_peak_bytes'] / 2**20:.0f}" if g["gpu_peak_bytes"] is not None else "–"
-        rate = f"{g['inputs_per_s']:.1f}" if g["inputs_per_s"] and g["seconds"] >= 0.5 else "–"
+        rate = f"{g['inputs_per_s']:.1f}" if g["inputs_per_s"] and g["seconds"] + (g.get("pass_s") or 0) >= 0.5 else "–"
         rows = sum(result["units"][g["unit"]]["queries"].values())
+        estimate = f"{g['estimated_s']:.1f}" if g.get("estimated_s") is not None else "–"
+        spent = g["seconds"] + (g.get("pass_s") or 0.0)
+        ratio = f"{spent / g['estimated_s']:.2f}" if g.get("estimated_s") and spent >= 0.5 else "–"
+        shared = f"{g['pass_s']:.1f}" if g.get("pass_s") else "–"
         lines.append(f"| {g['unit']} | `{g['marker']}` | {g['status']} | {g['data']} ({g['inputs']}) | "
-                     f"{g['seconds']:.1f} | {rate} | {g['unit_wall_s']:.0f} | {rows} | {g['peak_rss_kib'] / 1024:.0f} | "
+                     f"{g['seconds']:.1f} | {shared} | {estimate} | {ratio} | {rate} | {g['unit_wall_s']:.0f} | {rows} | {g['peak_rss_kib'] / 1024:.0f} | "
                      f"{g['workers_peak_rss_kib'] / 1024:.0f} | {gpu} |")
+    if result.get("pt2"):
+        lines += ["", "Model rows count the forwards through the loaded `.pt2` module; the shared activation pass runs the "
+                  "program's graph with taps on its layers (a copy), which is not counted."]
     return "\n".join(lines) + "\n"
 
 
@@ -216,9 +265,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--units", nargs="+", default=list(UNITS), choices=UNITS)
     parser.add_argument("--subset", action="append", default=[], metavar="NAME=N",
                         help=f"override a subset size, e.g. SCALE_N_ATTACK=1000 (defaults {SUBSETS})")
+    parser.add_argument("--pt2", action="store_true", help="export the ResNet to .pt2 and gate that file")
+    parser.add_argument("--certified-size", type=int, choices=(16, 224), default=None,
+                        help="side of the certified gates' images (16: the CIFAR-stem model; 224: the ResNet)")
+    parser.add_argument("--real", action="store_true",
+                        help=f"the production-width preset (overrides --n, --width, ...): {REAL}")
     parser.add_argument("--collect-only", action="store_true",
                         help="only gather the records an earlier (possibly interrupted) run left in --out")
     args = parser.parse_args(argv)
+    if args.real:
+        args.n, args.train, args.width, args.epochs = REAL["n"], REAL["train"], REAL["width"], REAL["epochs"]
+        args.pt2, args.certified_size = True, REAL["certified_size"]
+        args.subset = [f"{k}={v}" for k, v in REAL["subsets"].items()] + args.subset
     subsets = dict(item.split("=", 1) for item in args.subset)
     unknown = set(subsets) - set(SUBSETS)
     if unknown:
@@ -233,8 +291,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         collect(result, out.resolve(), tuple(args.units), partial=True)
     else:
         ensure_data(args.n, args.train)
-        ensure_models(args.width, args.epochs)
-        result = measure(args.n, args.width, out, tuple(args.units), sizes)
+        small = args.certified_size != 224  # the CIFAR-stem model serves only 16x16 certified gates
+        ensure_models(args.width, args.epochs, ("resnet", "vit", "detector") + (("resnet_small",) if small else ()))
+        result = measure(args.n, args.width, out, tuple(args.units), sizes, pt2=args.pt2,
+                         certified_size=args.certified_size)
     args.json.write_text(json.dumps(result, indent=1))
     table = markdown(result)
     if args.markdown:

@@ -336,6 +336,48 @@ def loader(folder: Path | str, start: int = 0, stop: int | None = None, size: in
                                        persistent_workers=False)
 
 
+def _data_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("SCALE_DATA", Path(__file__).resolve().parent.parent / "data")).resolve()
+
+
+def operational_rows(folder: Path | str | None = None) -> tuple[Path, int, int]:
+    """The training split and the row range ``start:stop`` of the operational images: its last ``SCALE_N_PMI``
+    (default 60) images."""
+    import os
+
+    split = Path(folder) if folder is not None else _data_dir() / "train"
+    total = int(json.loads((split / "meta.json").read_text())["n"])
+    return split, max(0, total - int(os.environ.get("SCALE_N_PMI", 60))), total
+
+
+def operational_loader() -> torch.utils.data.DataLoader:
+    """The operational images (and labels) as an in-order ``DataLoader``: ``dnnsafety_operational_data =
+    "scale_demo.data:operational_loader"`` is a factory the plugin streams batch by batch (it reads the images, not
+    the labels); the ``pmi_data`` fixture is the same loader, labelled points for the r-separation."""
+    split, start, stop = operational_rows()
+    return loader(split, start, stop, batch_size=64)
+
+
+def operational_npy(folder: Path | str | None = None) -> Path:
+    """The operational images as one float32 ``.npy`` file ``(n, 3, 224, 224)`` in [0, 1] beside the splits
+    (``operational_<n>.npy``; written once, a row at a time through a memory map): the ``.npy`` route of
+    ``dnnsafety_operational_data``."""
+    split, start, stop = operational_rows(None if folder is None else Path(folder) / "train")
+    path = split.parent / f"operational_{stop - start}.npy"
+    if not path.exists():
+        images = ShardImages(split, start, stop)
+        tmp = path.with_suffix(".tmp.npy")
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(len(images), 3, SIZE, SIZE))
+        for i in range(len(images)):
+            out[i] = images[i][0].numpy()
+        out.flush()
+        del out
+        tmp.rename(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=10_000, help="evaluation images (default 10,000)")

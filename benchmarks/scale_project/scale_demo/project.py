@@ -1,8 +1,11 @@
 """Where the project's data and weights live, and the model factories its pytest configuration names.
 
 Paths default to ``data/`` and ``models/`` next to ``pyproject.toml``; the environment overrides
-them (``SCALE_DATA``, ``SCALE_MODELS``), and ``SCALE_WIDTH`` picks the ResNet's width (default 8),
-so the benchmark runner and the suite's test can point one project at other folders and sizes.
+them (``SCALE_DATA``, ``SCALE_MODELS``), ``SCALE_WIDTH`` picks the ResNet's width (default 8) and
+``SCALE_CERTIFIED_SIZE`` the side of the certified gates' images (16: the CIFAR-stem model on images
+averaged down; 224: the ResNet itself on the full images), so the benchmark runner and the suite's
+test can point one project at other folders and sizes. :func:`export` writes the ResNet as a
+``torch.export`` program (``.pt2``), the format users deploy; the runner's ``--pt2`` gates that file.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import torch
 
 from .models import Detector, ResNet, ViT, detector as _detector, resnet18, vit
 
-__all__ = ["ROOT", "data_dir", "models_dir", "width", "VIT", "SMALL", "weights_path", "build", "resnet", "vit_model",
-           "resnet_small", "detector"]
+__all__ = ["ROOT", "data_dir", "models_dir", "width", "certified_size", "VIT", "SMALL", "weights_path", "build",
+           "resnet", "vit_model", "resnet_small", "detector", "export"]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The ViT the project trains: small enough for a CPU (1,178 images/s at 224x224 on 2 cores, untrained).
@@ -37,11 +40,17 @@ def width() -> int:
     return int(os.environ.get("SCALE_WIDTH", "8"))
 
 
+def certified_size() -> int:
+    """The side of the certified gates' images: :data:`SMALL` (default) or 224 (the full images, the ResNet)."""
+    return int(os.environ.get("SCALE_CERTIFIED_SIZE", str(SMALL)))
+
+
 def weights_path(kind: str, w: int | None = None) -> Path:
     """``resnet`` (224x224, ImageNet stem, width ``w``), ``vit``, ``resnet_small`` (SMALL x SMALL, CIFAR stem,
-    width 8) or ``detector`` (the ResNet backbone of width ``w`` with a class and a box head)."""
+    width 8), ``detector`` (the ResNet backbone of width ``w`` with a class and a box head) or ``resnet_pt2`` (the
+    trained ResNet exported by :func:`export`)."""
     w = width() if w is None else w
-    names = {"resnet": f"resnet18_w{w}.pt", "vit": "vit_d{dim}_l{depth}.pt".format(**VIT),
+    names = {"resnet": f"resnet18_w{w}.pt", "resnet_pt2": f"resnet18_w{w}.pt2", "vit": "vit_d{dim}_l{depth}.pt".format(**VIT),
              "resnet_small": f"resnet18_cifar_w8_{SMALL}px.pt", "detector": f"detector_resnet18_w{w}.pt"}
     return models_dir() / names[kind]
 
@@ -85,3 +94,15 @@ def resnet_small() -> ResNet:
 def detector() -> Detector:
     """The trained one-object detector (ResNet-18-style backbone, width ``SCALE_WIDTH``)."""
     return _load("detector")
+
+
+def export(w: int | None = None) -> Path:
+    """The trained ResNet of width ``w`` as a ``torch.export`` program with a dynamic batch (written once)."""
+    path = weights_path("resnet_pt2", w)
+    if not path.exists():
+        model = build("resnet", w)
+        model.load_state_dict(torch.load(weights_path("resnet", w), weights_only=True))
+        batch = torch.export.Dim("batch", min=1, max=1 << 16)
+        program = torch.export.export(model.eval(), (torch.rand(2, 3, 224, 224),), dynamic_shapes=({0: batch},))
+        torch.export.save(program, path)
+    return path

@@ -12,13 +12,15 @@ fixture                what                                                     
 ``vit_model``          the ViT-style model (patch 16, dim 64, depth 2)
 ``attack_data``        the first evaluation images: adversarial gates                           ``SCALE_N_ATTACK`` 500
 ``occlusion_data``     the first evaluation images, and ``occlusion_masks`` theirs              ``SCALE_N_OCCLUSION`` 200
-``small_data``         the first evaluation images averaged down to 16x16, for ``small_model``   ``SCALE_N_CERTIFIED`` 4
-                       (the CIFAR-stem ResNet): ``min_verified_robustness``
-``radius_data``        likewise, for ``min_safe_radius`` (its search polls every input           ``SCALE_N_RADIUS`` 2
-                       dimension)
+``certified_model``    the model of the certified gates: the CIFAR-stem ResNet (width 8) for images averaged down to
+                       16x16, or the ``model`` itself with ``SCALE_CERTIFIED_SIZE=224``
+``certified_data``     the first evaluation images at ``SCALE_CERTIFIED_SIZE`` (16 or 224):   ``SCALE_N_CERTIFIED`` 4
+                       ``min_verified_robustness``
+``radius_data``        likewise, for ``min_safe_radius``                                        ``SCALE_N_RADIUS`` 2
 ``monitor_data``       the training split: the runtime monitors are fitted on it                ``SCALE_N_FIT`` 1000
-``pmi_data``           labelled operational images, streamed (``max_pmi_ub`` puts a ball         ``SCALE_N_PMI`` 60
-                       around each), and ``operational_profile`` (PCA-2 latent KDE) of them
+``pmi_data``           labelled operational images, streamed (``max_pmi_ub``'s r-separation and   ``SCALE_N_PMI`` 60
+                       ball types); the operational profile is the plugin's, from
+                       ``dnnsafety_operational_data`` (a DataLoader factory, or a ``.npy`` file)
 ``detector``           the one-object detector (the ResNet-18-style backbone with a class and a box head)
 ``detection_data``     the evaluation split as detection data (:class:`scale_demo.data.ShardBoxes`:  all (``--n``)
                        each image's object and its mask's tight box), ``detection_collate``
@@ -35,11 +37,10 @@ import os
 import pytest
 import torch
 
-from pytest_dnnsafety import Energy, Mahalanobis, OperationalProfile
+from pytest_dnnsafety import Energy, Mahalanobis
 from pytest_dnnsafety.engines.core.guard import probing
-from pytest_dnnsafety.engines.reliability.profile import PCA
 from scale_demo import project
-from scale_demo.data import ShardImages, boxes_loader, loader
+from scale_demo.data import ShardImages, boxes_loader, loader, operational_loader
 
 BATCH = 64
 SIZES: dict[str, int] = {}
@@ -122,18 +123,20 @@ def occlusion_masks():
 
 
 @pytest.fixture(scope="session")
-def small_model(model):
-    return _counted(project.resnet_small().to(_device(model)), "small_model")
+def certified_model(model):
+    if project.certified_size() == 224:
+        return model
+    return _counted(project.resnet_small().to(_device(model)), "certified_model")
 
 
 @pytest.fixture(scope="session")
-def small_data():
-    return _loader("small_data", stop=_env("SCALE_N_CERTIFIED", 4), size=project.SMALL, batch_size=4)
+def certified_data():
+    return _loader("certified_data", stop=_env("SCALE_N_CERTIFIED", 4), size=project.certified_size(), batch_size=4)
 
 
 @pytest.fixture(scope="session")
 def radius_data():
-    return _loader("radius_data", stop=_env("SCALE_N_RADIUS", 2), size=project.SMALL, batch_size=2)
+    return _loader("radius_data", stop=_env("SCALE_N_RADIUS", 2), size=project.certified_size(), batch_size=2)
 
 
 @pytest.fixture(scope="session")
@@ -158,30 +161,13 @@ def severity_matrix():
     return w
 
 
-def _operational():
-    """The last images of the training split, held: the grid-cell profile's KDE (PCA latent space) needs them."""
-    data = ShardImages(_split("train"))
-    n = _env("SCALE_N_PMI", 60)
-    rows = range(len(data) - n, len(data))
-    x = torch.stack([data[i][0] for i in rows])
-    return x, torch.tensor([data[i][1] for i in rows])
-
-
 @pytest.fixture(scope="session")
 def pmi_data():
-    """The last training images as a streamed loader: max_pmi_ub's ball cells read centres and labels in passes."""
-    split = _split("train")
-    n_train = len(ShardImages(split))
-    data = loader(split, n_train - _env("SCALE_N_PMI", 60), n_train, 224, batch_size=BATCH)
+    """The last training images with their labels, streamed: max_pmi_ub reads them in passes (the operational
+    profile, from ``dnnsafety_operational_data``, holds the same images: scale_demo.data.operational_loader)."""
+    data = operational_loader()
     SIZES["pmi_data"] = len(data.dataset)
     return data
-
-
-@pytest.fixture(scope="session")
-def operational_profile():
-    x, _ = _operational()
-    pca = PCA(2).fit(x)
-    return OperationalProfile(x, encoder=pca.encode, decoder=lambda z: pca.decode(z).clamp(0, 1).float())
 
 
 def pytest_unconfigure(config):
