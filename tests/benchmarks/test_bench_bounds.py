@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from _digits import digits_cnn, digits_images
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel
+from pytest_dnnsafety.engines.bounds.box import input_box
 
 N_INPUTS = 1_000
 EPS = 0.02

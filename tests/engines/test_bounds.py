@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pytest_dnnsafety.engines.bounds import crown as bounds_crown
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
+from pytest_dnnsafety.engines.bounds.box import input_box
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 
 # the "overlap" net's padding="same" with an even kernel pads asymmetrically (the transpose then goes by autograd)

@@ -15,7 +15,8 @@ from torch import nn
 
 from _digits import digits_cnn, digits_images
 from pytest_dnnsafety.engines.bounds import crown_ibp
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel
+from pytest_dnnsafety.engines.bounds.box import input_box
 from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.runtime import progress
 from test_bounds import CNN_VARIANTS, box_points, cnn, extreme_points, mlp, outputs_at

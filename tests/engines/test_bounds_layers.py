@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pytest_dnnsafety.engines.bounds import smooth as bounds_smooth
-from pytest_dnnsafety.engines.bounds.model import (FUNCTION_KINDS, SUPPORTED, BoundedModel, UnsupportedLayerError,
-                                                        input_box)
+from pytest_dnnsafety.engines.bounds.box import input_box
+from pytest_dnnsafety.engines.bounds.model import FUNCTION_KINDS, SUPPORTED, BoundedModel, UnsupportedLayerError
 from pytest_dnnsafety.engines.bounds.ops import ConvTransposeOp, LeakyReluOp
 
 # ----------------------------------------------------------------------------- the activations

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _digits import DigitsCNN, digits_cnn, digits_images
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel
+from pytest_dnnsafety.engines.bounds.box import input_box
 from test_bounds import CNN_VARIANTS, assert_within, box_points, cnn, extreme_points, mlp, outputs_at
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same':UserWarning")

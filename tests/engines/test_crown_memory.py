@@ -13,17 +13,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from _rss import run_script
 import torch
 from torch import nn
 
 from pytest_dnnsafety.engines.bounds import crown as bounds_crown
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel
+from pytest_dnnsafety.engines.bounds.box import input_box
 from pytest_dnnsafety.engines.robustness.verification import verify_robustness
 from pytest_dnnsafety.errors import ConfigError, MarkerError
 from pytest_dnnsafety.gates import parse_marker
@@ -174,17 +174,9 @@ def test_refined_intervals_sound_and_tighter() -> None:
 
 # ----------------------------------------------------------------------------- peak memory (fresh process)
 
-_RSS_SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {bench!r})
-    import torch
-    from scale_demo.models import resnet18
-    from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
-
-    def hwm():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
+_RSS_SCRIPT = """
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel
+    from pytest_dnnsafety.engines.bounds.box import input_box
 
     torch.set_num_threads(1)
     model = resnet18(width=4, stem="cifar")
@@ -197,7 +189,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     base = hwm()
     bm.margin_lower_bounds(lo, hi, y, "crown")
     print(hwm() - base)
-""")
+"""
 
 
 @pytest.mark.slow
@@ -207,8 +199,5 @@ def test_peak_rss_growth_within_max_memory() -> None:
     # allocator's slack come on top (about 40 MiB here: a 32 MiB budget grew 43 MiB, 64 MiB grew 52 MiB, no
     # budget 126 MiB), so the budget is set where those fixed costs fit inside it.
     memory = 64 << 20
-    script = _RSS_SCRIPT.format(bench=str(ROOT / "benchmarks" / "scale_project"), memory=memory)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    growth = int(out.stdout.strip().splitlines()[-1])
+    growth = int(run_script(_RSS_SCRIPT.format(memory=memory), 600).strip().splitlines()[-1])
     assert growth <= memory, f"peak RSS grew by {growth / 2**20:.0f} MiB under max_memory=64MiB"

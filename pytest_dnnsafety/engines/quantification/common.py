@@ -271,7 +271,7 @@ def _gaussian(seed: int, index: Tensor, start: Tensor, iteration: int, n: int) -
 
 def _check_inputs(x: Tensor, clip: tuple[float, float] | None) -> None:
     """DataError for non-finite inputs or inputs outside ``clip`` (one host read)."""
-    from pytest_dnnsafety.engines.bounds.model import outside_clip, outside_clip_error
+    from pytest_dnnsafety.engines.bounds.box import outside_clip, outside_clip_error
 
     bad, outside = torch.stack([(~torch.isfinite(x)).sum(), outside_clip(x, clip)]).tolist()
     if bad:

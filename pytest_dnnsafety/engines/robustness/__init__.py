@@ -16,7 +16,8 @@ Pure torch, no pytest import.
 from __future__ import annotations
 
 from pytest_dnnsafety.engines.perturb.adversarial import detect_outputs, fgsm, input_gradient, log_probs, pgd
-from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError, input_box
+from pytest_dnnsafety.engines.bounds.model import BoundedModel, UnsupportedLayerError
+from pytest_dnnsafety.engines.bounds.box import input_box
 from pytest_dnnsafety.engines.robustness.confidence import AdversarialConfidenceEngine, AdversarialConfidenceResult, assess_adversarial_confidence
 from pytest_dnnsafety.engines.robustness.perturbations import FAMILIES, Family, family_name, make_family
 from pytest_dnnsafety.engines.robustness.verification import VerificationEngine, VerificationResult, verify_robustness

@@ -264,7 +264,8 @@ def bound_cost(model: Any, x: Tensor, eps: float, method: str = "auto",
     """``(forwards per input, what)``: the estimated cost of bounding the inputs ``x`` (a few, e.g. the cost
     probe's) by ``method`` in single-input forwards, averaged over ``x`` — the interval pass and the bound's
     estimated passes × :data:`BOUND_PASS_FORWARDS`. One interval pass over ``x``; no bound is computed."""
-    from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel
+    from pytest_dnnsafety.engines.bounds.box import input_box
 
     dtype, device = model_dtype_device(model)
     x = x.to(device=device or x.device, dtype=dtype or (x.dtype if x.is_floating_point() else torch.float32))
@@ -320,7 +321,8 @@ def verify_robustness(
     :class:`~pytest_dnnsafety.engines.bounds.model.UnsupportedLayerError` for a model the
     bounds cannot handle; :class:`MetricError` when the model fails or returns NaN/inf.
     """
-    from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box, outside_clip, outside_clip_error
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel
+    from pytest_dnnsafety.engines.bounds.box import input_box, outside_clip, outside_clip_error
     from pytest_dnnsafety.engines.bounds.export import export_mismatch
 
     eps = _check_eps(eps)

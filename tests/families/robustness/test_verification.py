@@ -229,7 +229,8 @@ def test_bounds_that_miss_the_models_own_outputs_are_an_error() -> None:
 
 def test_ibp_verifies_through_the_margin_specification(held_out: tuple[torch.Tensor, torch.Tensor]) -> None:
     """method="ibp" bounds z_y − z_j with the margin spec folded into the last layer, not as lb_y − ub_j."""
-    from pytest_dnnsafety.engines.bounds.model import BoundedModel, input_box
+    from pytest_dnnsafety.engines.bounds.model import BoundedModel
+    from pytest_dnnsafety.engines.bounds.box import input_box
 
     model = digits_cnn()
     result = verify_robustness(model, held_out, 0.01, method="ibp", clip=CLIP, batch_size=128)
