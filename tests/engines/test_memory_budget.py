@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from _rss import run_script
 import torch
 from torch import nn
 
@@ -165,18 +164,9 @@ def test_the_shared_pass_splits_a_batch_by_the_budget_with_the_same_values() -> 
 
 # ----------------------------------------------------------------------------- 224x224, real width (fresh process)
 
-_RSS_SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {bench!r})
-    import torch
-    from scale_demo.models import resnet18
+_RSS_SCRIPT = """
     from pytest_dnnsafety.engines.core.budget import chunk_size
     from pytest_dnnsafety.engines.interpretability.occlusion import occlusion_maps
-
-    def hwm():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
 
     torch.set_num_threads(2)
     model = resnet18(width=64).eval()
@@ -184,17 +174,13 @@ _RSS_SCRIPT = textwrap.dedent("""
     chunk = chunk_size(model, x, extra=3 * x[0].numel() * 4 + 224 * 224)
     occlusion_maps(model, x, size=56, stride=56, max_batch=4096)  # 48 copies: one chunk of the budget's size
     print(chunk, hwm())
-""")
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for the peak RSS")
 def test_occlusion_at_224_on_a_real_resnet18_stays_under_2_gib() -> None:
     """The former fixed chunk (222 copies of a 224x224 image) took 2.3 GiB; the default 1 GiB budget gives ~100."""
-    root = Path(__file__).resolve().parents[2]
-    script = _RSS_SCRIPT.format(bench=str(root / "benchmarks" / "scale_project"))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
-    assert out.returncode == 0, out.stderr
-    chunk, peak = map(int, out.stdout.split()[-2:])
+    chunk, peak = map(int, run_script(_RSS_SCRIPT, 300).split()[-2:])
     assert 40 <= chunk <= 150, chunk  # ~6 MiB measured per input, x1.5, plus the copies: ~100 in 1 GiB
     assert peak < 2 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
