@@ -70,16 +70,23 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-__all__ = ["LOAD_WINDOW", "ThreadPlan", "apply", "applied", "busy_cores", "plan", "usable_cores"]
+__all__ = ["HOST_BOUND_ELEMENTS", "LOAD_WINDOW", "ThreadPlan", "apply", "applied", "busy_cores", "host_bound",
+           "kernel_policy", "plan", "sized", "usable_cores"]
 
 #: Seconds over which :func:`busy_cores` watches the other processes' CPU use, once per process (the
 #: run header's plan, or the first gate's): the cost of the load rule. At the kernel's 100 Hz
 #: counters that is 5 ticks per core, enough to tell a busy core (> half) from an idle one.
 LOAD_WINDOW = 0.05
+
+#: Kernels of fewer elements than this are host-bound: a parallel region over them costs more in OpenMP's
+#: fork and barrier (microseconds each, milliseconds when a competing process holds a core) than it saves.
+#: :func:`sized` runs work whose largest kernel is below it on one thread.
+HOST_BOUND_ELEMENTS = 1 << 18
 
 #: Environment variables torch itself reads for its intra-op thread count, in torch's order.
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -89,6 +96,9 @@ _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _APPLIED: "tuple[Any, ThreadPlan] | None" = None
 #: :func:`busy_cores` as measured once in this process (``False``: not measured yet).
 _BUSY: "float | None | bool" = False
+#: Whether :func:`host_bound`/:func:`sized` change the thread count (:func:`kernel_policy` switches it; benchmarks
+#: compare the engines with and without it).
+_KERNEL_POLICY = True
 
 
 @dataclass(frozen=True)
@@ -300,3 +310,55 @@ def torch_threads() -> int | None:
     """torch's current intra-op thread count if torch is already imported (never imports it)."""
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else None
+
+
+# ---------------------------------------------------------------------------------- per-engine kernels
+
+
+@contextmanager
+def kernel_policy(enabled: bool) -> Iterator[None]:
+    """Switch :func:`host_bound` and :func:`sized` on or off inside the block (benchmarks and tests)."""
+    global _KERNEL_POLICY
+    before, _KERNEL_POLICY = _KERNEL_POLICY, bool(enabled)
+    try:
+        yield
+    finally:
+        _KERNEL_POLICY = before
+
+
+@contextmanager
+def host_bound() -> Iterator[None]:
+    """Run the block on one intra-op thread, then restore the process's count.
+
+    The second half of the thread policy (the first, :func:`plan`, sets the process's count once): an
+    engine whose work is many small kernels driven from Python — box matching per image, the scenario
+    table's column codes, per-image bookkeeping — gains nothing from more threads and loses most on a
+    busy machine, where every parallel region waits at OpenMP's barrier for a thread whose core another
+    process holds (measured 9–20× slower with 2 threads than with 1 under one competitor on 2 cores).
+    Engines dominated by large GEMMs (CROWN, the layers' forward passes, Gram matrices) keep the
+    process's count. Thread counts are process-wide in torch; the engines run one at a time per process.
+    """
+    if not _KERNEL_POLICY:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def sized(elements: int) -> Iterator[None]:
+    """:func:`host_bound` when the block's largest kernel has fewer than :data:`HOST_BOUND_ELEMENTS` elements."""
+    if elements < HOST_BOUND_ELEMENTS:
+        with host_bound():
+            yield
+    else:
+        yield
