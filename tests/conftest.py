@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch  # noqa: F401  - imported once here: in-process pytester runs must not re-import torch
@@ -93,3 +94,19 @@ class GateProject:
 @pytest.fixture
 def gate_project(pytester: pytest.Pytester) -> GateProject:
     return GateProject(pytester)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The benchmarks' side-by-side ratios (``extra_info`` keys ``ratio_*``: reference time / plugin time, > 1 the
+    plugin faster) in one table after pytest-benchmark's own, so CI's benchmark step prints them."""
+    session = getattr(config, "_benchmarksession", None)
+    rows = [(bench.name, key[len("ratio_"):], value) for bench in getattr(session, "benchmarks", None) or []
+            for key, value in sorted(bench.extra_info.items())
+            if key.startswith("ratio_") and isinstance(value, (int, float))]
+    if not rows:
+        return
+    terminalreporter.section("side-by-side ratios (reference / plugin; > 1: the plugin is faster)")
+    width = max(len(name) for name, _, _ in rows)
+    for name, what, value in rows:
+        terminalreporter.write_line(f"{name:<{width}}  {what:<40} {value:8.2f}")
