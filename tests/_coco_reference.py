@@ -1,9 +1,11 @@
-"""Random detection cases and pycocotools' COCOeval on them (the independent reference of test_detection_map)."""
+"""Random detection cases and pycocotools' COCOeval on them (the independent reference of test_detection_map);
+faster-coco-eval's ``COCOeval_faster`` on the same inputs (the speed reference of test_bench_detection)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import time
 
 import numpy as np
 import torch
@@ -91,3 +93,62 @@ def coco_eval(dets: BoxSet, gts: BoxSet, n_classes: int, iou: list[float] | None
     p50 = prec[:1]
     map50 = float(p50[p50 > -1].mean()) if (p50 > -1).any() else float("nan")
     return all_map, map50, prec
+
+
+def coco_inputs(dets: BoxSet, gts: BoxSet, n_classes: int) -> tuple[dict, list[dict]]:
+    """COCO's in-memory inputs for packed boxes: the ground-truth dataset dict (images, annotations with xywh
+    boxes and area w*h, categories) and the detection results list (image_id, category_id, bbox, score), ids from
+    1 — the same floats as :func:`coco_eval` builds (float32 boxes widened to float64, then x2 - x1)."""
+    def xywh(b: torch.Tensor) -> np.ndarray:
+        b = b.double().numpy().reshape(-1, 4)
+        return np.concatenate([b[:, :2], b[:, 2:] - b[:, :2]], 1)
+
+    gb, db = xywh(gts.boxes), xywh(dets.boxes)
+    g_img, g_lab = (gts.image + 1).tolist(), (gts.labels + 1).tolist()
+    d_img, d_lab = (dets.image + 1).tolist(), (dets.labels + 1).tolist()
+    area = (gb[:, 2] * gb[:, 3]).tolist()
+    gbl, dbl, scores = gb.tolist(), db.tolist(), dets.scores.double().tolist()
+    anns = [{"id": j + 1, "image_id": g_img[j], "category_id": g_lab[j], "bbox": gbl[j], "area": area[j],
+             "iscrowd": 0} for j in range(len(gbl))]
+    dataset = {"images": [{"id": i + 1} for i in range(gts.n_images)], "annotations": anns,
+               "categories": [{"id": k + 1} for k in range(n_classes)]}
+    results = [{"image_id": d_img[j], "category_id": d_lab[j], "bbox": dbl[j], "score": scores[j]}
+               for j in range(len(dbl))]
+    return dataset, results
+
+
+def _summary(prec: np.ndarray) -> tuple[float, float]:
+    valid = prec > -1
+    all_map = float(prec[valid].mean()) if valid.any() else float("nan")
+    p50 = prec[:1]
+    map50 = float(p50[p50 > -1].mean()) if (p50 > -1).any() else float("nan")
+    return all_map, map50
+
+
+def timed_reference(library: str, dataset: dict, results: list[dict], max_det: int = 100
+                    ) -> tuple[float, float, float, float]:
+    """(mAP@[.5:.95], mAP@.5, total seconds, evaluate + accumulate seconds) of ``library`` (``"faster_coco_eval"``:
+    its ``COCOeval_faster``; ``"pycocotools"``: ``COCOeval``) as users run it from in-memory inputs: the total
+    includes building the ground-truth ``COCO`` object and ``loadRes`` of the results list (both libraries index
+    and copy them), the second time only ``evaluate`` + ``accumulate``. ``loadRes`` writes into the result dicts,
+    so give each call fresh inputs (:func:`coco_inputs`)."""
+    if library == "faster_coco_eval":
+        from faster_coco_eval import COCO
+        from faster_coco_eval import COCOeval_faster as Evaluator
+    else:
+        from pycocotools.coco import COCO
+        from pycocotools.cocoeval import COCOeval as Evaluator
+    with contextlib.redirect_stdout(io.StringIO()):
+        start = time.perf_counter()
+        coco = COCO()
+        coco.dataset = dataset
+        coco.createIndex()
+        res = coco.loadRes(results)
+        ev = Evaluator(coco, res, "bbox")
+        ev.params.maxDets = sorted({1, min(10, max_det), max_det})
+        begin = time.perf_counter()
+        ev.evaluate()
+        ev.accumulate()
+        end = time.perf_counter()
+    all_map, map50 = _summary(ev.eval["precision"][:, :, :, 0, -1])
+    return all_map, map50, end - start, end - begin

@@ -16,12 +16,15 @@ annotations), so the numbers equal pycocotools' to floating-point rounding:
   last recall it is 0) and averaged; classes without ground truth are left out of the mean;
   mAP@[.5:.95] is the mean over classes and thresholds, mAP@.5 the mean at ``t = 0.5``.
 
-Streaming: :meth:`BoxMatchEngine.update` matches one batch (dense per (image, class) cell, one
-vectorised step per detection rank) and keeps only, per detection, its score, class, image and one
-bit per threshold (matched or not), plus each ground-truth object's image and class — never the
-images. Detections are ragged, so matching a batch reads two small things to the host: the number of
-(image, class) cells and the largest cell sizes, which size the padded tensors; the greedy loop runs
-once per detection rank (at most ``max_detections``), over every cell and threshold at once.
+Streaming: :meth:`BoxMatchEngine.update` matches one batch (:mod:`~pytest_dnnsafety.engines.detection.greedy`: one
+vectorised step per detection rank, over only the (image, class) cells that have a detection of that rank and
+objects, every threshold at once) and keeps only, per detection, its score, class, image and one bit per
+threshold (matched or not), plus each ground-truth object's image and class — never the images. Detections are
+ragged, so matching a batch reads small things to the host (the number of cells, their detection-count
+histogram and the largest cell's objects), which size the loop. The matching and the point estimate run on one
+torch thread (:func:`~pytest_dnnsafety.runtime.threads.host_bound`: many small kernels, which more threads only
+slow down on a busy machine), and so do the mAP bootstrap's per-class scans; recall's bootstrap (matrix products)
+keeps the process's count.
 :meth:`BoxMatchEngine.evaluate` (mAP) and :meth:`BoxMatchEngine.recall` then evaluate any set of
 images (a scenario group) from those records.
 
@@ -54,12 +57,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
 from pytest_dnnsafety.engines.core.base import Engine
-from pytest_dnnsafety.engines.detection.bootstrap import (DEFAULT_METHOD, HALF_SUBSETS, bootstrap_lower,
-                                                       half_weights, jackknife_groups, jackknife_weights)
-from pytest_dnnsafety.runtime import allocator, progress
+from pytest_dnnsafety.engines.detection.bootstrap import (
+    DEFAULT_METHOD,
+    HALF_SUBSETS,
+    bootstrap_lower,
+    half_weights,
+    jackknife_groups,
+    jackknife_weights,
+)
+from pytest_dnnsafety.engines.detection.greedy import (
+    MATCH_CHUNK_ELEMENTS,
+    cell_spans,
+    match_batch,
+)
+from pytest_dnnsafety.errors import ConfigError, MetricError
+from pytest_dnnsafety.runtime import allocator, progress, threads
 
 __all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
 
@@ -142,7 +156,8 @@ class BoxMatchEngine(Engine):
         self._next = start + targets.n_images
         dev = targets.device
         dets = detections.to(dev)
-        score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
+        with threads.host_bound():  # many small kernels driven from Python: one thread (runtime.threads)
+            score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
         self.append_state("det_score", score)
         self.append_state("det_class", label)
         self.append_state("det_image", image + start)
@@ -173,56 +188,60 @@ class BoxMatchEngine(Engine):
         (:data:`~pytest_dnnsafety.engines.detection.bootstrap.BOUND_METHODS`; see the module docstring).
         ``columns``: the thresholds (indices into ``thresholds``) averaged over (default all; each
         threshold's matching is independent of the others, so a subset is that subset's mAP)."""
-        score, label, image, matched, gimage, glabel = self.records()
-        columns = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
-        matched = matched[:, columns]
-        keep = self._image_mask(images)
-        det_in, gt_in = keep[image.cpu()].to(score.device), keep[gimage.cpu()].to(gimage.device)
-        score, label, image, matched = score[det_in], label[det_in], image[det_in], matched[det_in]
-        gimage, glabel = gimage[gt_in], glabel[gt_in]
-        members = torch.nonzero(keep).reshape(-1)
-        local = torch.full((self.n_images,), -1, dtype=torch.int64)
-        local[members] = torch.arange(members.numel())
-        image, gimage = local[image.cpu()].to(score.device), local[gimage.cpu()].to(score.device)
-        n_img = int(members.numel())
-        classes = torch.unique(torch.cat([label, glabel]).cpu())
-        K = int(classes.numel())
-        cls = torch.searchsorted(classes, label.cpu()).to(score.device)
-        gcls = torch.searchsorted(classes, glabel.cpu()).to(score.device)
-        gt_counts = torch.zeros(n_img, max(K, 1), dtype=torch.float64, device=score.device)
-        gt_counts.index_put_((gimage, gcls), torch.ones_like(gimage, dtype=torch.float64), accumulate=True)
-        order = _class_score_order(cls, score)
-        cls, score, image, matched = cls[order], score[order], image[order], matched[order]
-        bounds = torch.searchsorted(cls.cpu(), torch.arange(K + 1)).tolist()
-        ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
-        ap = average_precision(matched, image, bounds, gt_counts, ones)[0]  # (K, T), NaN without GT
-        point = _mean_map(ap)
+        with threads.host_bound():  # the point estimate: sorts and small per-class kernels, one thread
+            score, label, image, matched, gimage, glabel = self.records()
+            columns = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
+            matched = matched[:, columns]
+            keep = self._image_mask(images)
+            det_in, gt_in = keep[image.cpu()].to(score.device), keep[gimage.cpu()].to(gimage.device)
+            score, label, image, matched = score[det_in], label[det_in], image[det_in], matched[det_in]
+            gimage, glabel = gimage[gt_in], glabel[gt_in]
+            members = torch.nonzero(keep).reshape(-1)
+            local = torch.full((self.n_images,), -1, dtype=torch.int64)
+            local[members] = torch.arange(members.numel())
+            image, gimage = local[image.cpu()].to(score.device), local[gimage.cpu()].to(score.device)
+            n_img = int(members.numel())
+            classes = torch.unique(torch.cat([label, glabel]).cpu())
+            K = int(classes.numel())
+            cls = torch.searchsorted(classes, label.cpu()).to(score.device)
+            gcls = torch.searchsorted(classes, glabel.cpu()).to(score.device)
+            gt_counts = torch.zeros(n_img, max(K, 1), dtype=torch.float64, device=score.device)
+            gt_counts.index_put_((gimage, gcls), torch.ones_like(gimage, dtype=torch.float64), accumulate=True)
+            order = _class_score_order(cls, score)
+            cls, score, image, matched = cls[order], score[order], image[order], matched[order]
+            bounds = torch.searchsorted(cls.cpu(), torch.arange(K + 1)).tolist()
+            ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
+            ap = average_precision(matched, image, bounds, gt_counts, ones)[0]  # (K, T), NaN without GT
+            point = _mean_map(ap)
         lower = upper = replicates = jackknife = halves = None
         if bootstrap:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
             chunk = _replicates_per_chunk(bounds, matched.shape[1], n_img, K)
-            maps, jks, subs = [], [], []
-            for first in range(0, bootstrap, chunk):
-                b = min(chunk, bootstrap - first)
-                weights = _multinomial_weights(b, n_img, gen).to(score.device)
-                maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
-                progress.tick(first + b, bootstrap, "bootstrap replicates")
-                allocator.release()  # the chunk's freed blocks back to the system: the peak stays one chunk
-            groups = jackknife_groups(n_img)  # the jackknife's and half-subsets' weights, a chunk at a time too
-            for first in range(0, groups, chunk):
-                rows = range(first, min(first + chunk, groups))
-                jks.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
-                                                       jackknife_weights(n_img, rows=rows).to(score.device)),
-                                     fill=0.0))
-            for first in range(0, HALF_SUBSETS, chunk):
-                half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first)).to(score.device)
-                subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half), fill=0.0))
-                allocator.release()
-            replicates = torch.cat(maps).cpu()
-            jackknife = torch.cat(jks).cpu()
-            halves = torch.cat(subs).cpu()
-            lower = float(bootstrap_lower(replicates, point, confidence, method, jackknife, halves))
-            upper = _percentiles(replicates, confidence)[1]
+            # one thread too: per class a few scans (cumulative sums, running maxima, searches) over a chunk, whose
+            # parallel regions wait at OpenMP's barrier on a busy machine (measured 5-30x slower on 2 threads there)
+            with threads.host_bound():
+                maps, jks, subs = [], [], []
+                for first in range(0, bootstrap, chunk):
+                    b = min(chunk, bootstrap - first)
+                    weights = _multinomial_weights(b, n_img, gen).to(score.device)
+                    maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
+                    progress.tick(first + b, bootstrap, "bootstrap replicates")
+                    allocator.release()  # the chunk's freed blocks back to the system: the peak stays one chunk
+                groups = jackknife_groups(n_img)  # the jackknife's and half-subsets' weights, a chunk at a time too
+                for first in range(0, groups, chunk):
+                    rows = range(first, min(first + chunk, groups))
+                    jks.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
+                                                           jackknife_weights(n_img, rows=rows).to(score.device)),
+                                         fill=0.0))
+                for first in range(0, HALF_SUBSETS, chunk):
+                    half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first)).to(score.device)
+                    subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half), fill=0.0))
+                    allocator.release()
+                replicates = torch.cat(maps).cpu()
+                jackknife = torch.cat(jks).cpu()
+                halves = torch.cat(subs).cpu()
+                lower = float(bootstrap_lower(replicates, point, confidence, method, jackknife, halves))
+                upper = _percentiles(replicates, confidence)[1]
         return GroupMAP(images=n_img, objects=int(gimage.numel()), detections=int(score.numel()),
                         classes=classes.tolist(), ap=ap.cpu(), map=point,
                         map50=_mean_map(ap[:, :1]) if ap.numel() else math.nan,
@@ -236,27 +255,28 @@ class BoxMatchEngine(Engine):
         """Per-class recall of the images ``images``: objects matched (at ``thresholds[threshold_index]``) by a
         detection with score ≥ ``score_threshold``, over the objects; bootstrap over images as :meth:`evaluate`, in
         chunks of replicates (the exact delete-one jackknife of each ratio gives BCa's acceleration)."""
-        score, label, image, matched, gimage, glabel = self.records()
-        keep = self._image_mask(images)
-        members = torch.nonzero(keep).reshape(-1)
-        local = torch.full((self.n_images,), -1, dtype=torch.int64)
-        local[members] = torch.arange(members.numel())
-        n_img = int(members.numel())
-        hit_row = (score >= score_threshold) & matched[:, threshold_index]
-        det_in = keep[image.cpu()].to(score.device) & hit_row
-        gt_in = keep[gimage.cpu()].to(gimage.device)
-        classes = torch.unique(glabel[gt_in].cpu())
-        K = int(classes.numel())
-        hits = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
-        objects = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
-        lab, gl = label[det_in].cpu(), glabel[gt_in].cpu()
-        known = torch.isin(lab, classes)  # a matched detection's class always has objects; defensive
-        hits.index_put_((local[image[det_in].cpu()][known], torch.searchsorted(classes, lab[known])),
-                        torch.ones(int(known.sum()), dtype=torch.float64), accumulate=True)
-        objects.index_put_((local[gimage[gt_in].cpu()], torch.searchsorted(classes, gl)),
-                           torch.ones(gl.numel(), dtype=torch.float64), accumulate=True)
-        per_class = hits.sum(0)[:K] / objects.sum(0)[:K]
-        overall = float(hits.sum() / objects.sum()) if K else math.nan
+        with threads.host_bound():  # the per-class counts: sorts and small kernels, one thread
+            score, label, image, matched, gimage, glabel = self.records()
+            keep = self._image_mask(images)
+            members = torch.nonzero(keep).reshape(-1)
+            local = torch.full((self.n_images,), -1, dtype=torch.int64)
+            local[members] = torch.arange(members.numel())
+            n_img = int(members.numel())
+            hit_row = (score >= score_threshold) & matched[:, threshold_index]
+            det_in = keep[image.cpu()].to(score.device) & hit_row
+            gt_in = keep[gimage.cpu()].to(gimage.device)
+            classes = torch.unique(glabel[gt_in].cpu())
+            K = int(classes.numel())
+            hits = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
+            objects = torch.zeros(n_img, max(K, 1), dtype=torch.float64)
+            lab, gl = label[det_in].cpu(), glabel[gt_in].cpu()
+            known = torch.isin(lab, classes)  # a matched detection's class always has objects; defensive
+            hits.index_put_((local[image[det_in].cpu()][known], torch.searchsorted(classes, lab[known])),
+                            torch.ones(int(known.sum()), dtype=torch.float64), accumulate=True)
+            objects.index_put_((local[gimage[gt_in].cpu()], torch.searchsorted(classes, gl)),
+                               torch.ones(gl.numel(), dtype=torch.float64), accumulate=True)
+            per_class = hits.sum(0)[:K] / objects.sum(0)[:K]
+            overall = float(hits.sum() / objects.sum()) if K else math.nan
         lower = overall_lower = replicates = None
         if bootstrap and K:
             gen = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -352,86 +372,14 @@ def _stable_order(key: Tensor) -> Tensor:
 
 
 def _match(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """COCO's greedy matching of one batch, every (image, class) cell at once; one step per detection rank."""
-    dev, T = gts.device, thr.numel()
-    score = dets.scores.to(torch.float64)
-    order = _stable_order(-score)  # score descending, ties in the model's order
-    order = order[_stable_order(dets.labels[order])]
-    order = order[_stable_order(dets.image[order])]  # (image, class, -score)
-    d_img, d_lab, d_box, score = dets.image[order], dets.labels[order], dets.boxes[order], score[order]
-    g_order = _stable_order(gts.labels)
-    g_order = g_order[_stable_order(gts.image[g_order])]  # (image, class), annotation order within
-    g_img, g_lab, g_box = gts.image[g_order], gts.labels[g_order], gts.boxes[g_order]
-    D, M = d_img.numel(), g_img.numel()
-    keys = torch.cat([torch.stack([d_img, d_lab], 1), torch.stack([g_img, g_lab], 1)])
-    if keys.numel() == 0:
-        return (score, d_lab, d_img, torch.zeros(0, T, dtype=torch.bool, device=dev))
-    _cells, inverse = torch.unique(keys, dim=0, return_inverse=True)  # cells in (image, class) order
-    d_cell, g_cell = inverse[:D], inverse[D:]
-    C = int(_cells.shape[0])
-    d_count = torch.bincount(d_cell, minlength=C)
-    g_count = torch.bincount(g_cell, minlength=C)
-    d_rank = torch.arange(D, device=dev) - (d_count.cumsum(0) - d_count)[d_cell]
-    g_rank = torch.arange(M, device=dev) - (g_count.cumsum(0) - g_count)[g_cell]
-    kept = d_rank < max_det
-    d_cell, d_rank, d_box, score, d_lab, d_img = (t[kept] for t in (d_cell, d_rank, d_box, score, d_lab, d_img))
-    pd, pg = (int(v) for v in torch.stack([d_count.amax().clamp_max(max_det), g_count.amax()]).tolist())  # one read
-    matched = torch.zeros(C, pd, T, dtype=torch.bool, device=dev)
-    eff = thr.clamp_max(1 - 1e-10)[None, :, None]  # pycocotools: min(t, 1 - 1e-10)
-    # Cells padded to (cells, pg) in spans of at most MATCH_CHUNK_ELEMENTS (cells × pg × T) — one span unless the
-    # batch is huge (one image with 10^6 objects: no (C, pd, pg) float64 block of gigabytes); IoU one rank at a time.
-    spans = [(0, C, pd, pg)] if C * pg * max(T, 4) <= MATCH_CHUNK_ELEMENTS else \
-        _cell_spans(d_count.clamp_max(max_det).tolist(), g_count.tolist(), max(T, 4))
-    for c0, c1, sd, sg in spans:
-        if not (sd and sg):
-            continue
-        whole = c1 - c0 == C
-        dm = None if whole else (d_cell >= c0) & (d_cell < c1)
-        gm = None if whole else (g_cell >= c0) & (g_cell < c1)
-        d_row = torch.full((c1 - c0, sd), -1, dtype=torch.int64, device=dev)
-        if whole:
-            d_row[d_cell, d_rank] = torch.arange(d_cell.numel(), device=dev)
-        else:
-            d_row[d_cell[dm] - c0, d_rank[dm]] = dm.nonzero().squeeze(1)
-        g_row = torch.full((c1 - c0, sg), -1, dtype=torch.int64, device=dev)
-        if whole:
-            g_row[g_cell, g_rank] = torch.arange(M, device=dev)
-        else:
-            g_row[g_cell[gm] - c0, g_rank[gm]] = gm.nonzero().squeeze(1)
-        g_cells, g_ok = g_box[g_row.clamp_min(0)], (g_row >= 0)[:, None, :]  # (c, sg, 4), (c, 1, sg)
-        taken = torch.zeros(c1 - c0, T, sg, dtype=torch.bool, device=dev)
-        slots = torch.arange(sg, device=dev)
-        for r in range(sd):  # detections of one rank: at most one per cell, so no two compete for a box
-            d_r = d_row[:, r]
-            row = cell_iou(d_box[d_r.clamp_min(0)][:, None, :], g_cells)  # (c, 1, sg), only within cells
-            row = torch.where((d_r >= 0)[:, None, None] & g_ok, row, torch.full_like(row, -1.0))
-            ok = (row >= eff) & ~taken
-            best = torch.where(ok, row, torch.full_like(row, -2.0)).flip(-1).argmax(-1)  # last of equal IoUs
-            pick = sg - 1 - best  # (c, T)
-            hit = ok.any(-1)
-            taken |= (slots == pick[..., None]) & hit[..., None]
-            matched[c0:c1, r] = hit
-    return score, d_lab, d_img, matched[d_cell, d_rank]
-
-
-#: Padded cells × objects × thresholds of one span of the matching (:func:`_match`): 64 MiB of float64 per step.
-MATCH_CHUNK_ELEMENTS = 1 << 23
+    """COCO's greedy matching of one batch, every (image, class) cell at once; one step per detection rank
+    (:func:`~pytest_dnnsafety.engines.detection.greedy.match_batch`, in spans of :data:`MATCH_CHUNK_ELEMENTS`)."""
+    return match_batch(dets, gts, thr, max_det, MATCH_CHUNK_ELEMENTS)
 
 
 def _cell_spans(d_count: list[int], g_count: list[int], width: int) -> list[tuple[int, int, int, int]]:
-    """Consecutive cells ``(c0, c1, ranks, objects)`` whose padded step ``(c1 - c0) × objects × width`` stays within
-    :data:`MATCH_CHUNK_ELEMENTS` (a cell larger than that alone is a span of its own): a huge cell is matched
-    without padding every other cell of the batch to its size."""
-    spans, c0, sd, sg = [], 0, 0, 0
-    for c, (nd, ng) in enumerate(zip(d_count, g_count)):
-        wider = max(sg, ng)
-        if c > c0 and (c - c0 + 1) * wider * width > MATCH_CHUNK_ELEMENTS:
-            spans.append((c0, c, sd, sg))
-            c0, sd, sg = c, nd, ng
-        else:
-            sd, sg = max(sd, nd), wider
-    spans.append((c0, len(g_count), sd, sg))
-    return spans
+    """:func:`~pytest_dnnsafety.engines.detection.greedy.cell_spans` within :data:`MATCH_CHUNK_ELEMENTS`."""
+    return cell_spans(d_count, g_count, width, MATCH_CHUNK_ELEMENTS)
 
 
 def cell_iou(a: Tensor, b: Tensor) -> Tensor:

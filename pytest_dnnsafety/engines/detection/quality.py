@@ -34,13 +34,18 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.data.tasks import BoxSet
-from pytest_dnnsafety.engines.detection.bootstrap import DEFAULT_METHOD, check_work, method_text
+from pytest_dnnsafety.engines.detection.bootstrap import (
+    DEFAULT_METHOD,
+    check_work,
+    method_text,
+)
 from pytest_dnnsafety.engines.detection.matching import (
     COCO_IOU_THRESHOLDS,
     BoxMatchEngine,
 )
 from pytest_dnnsafety.errors import DataError, MetricError
 from pytest_dnnsafety.results import Measurement
+from pytest_dnnsafety.runtime import threads
 
 __all__ = ["COCO_RANGE", "QualityOptions", "is_coco_range", "match_detections", "match_plan", "worst_map",
            "worst_recall"]
@@ -127,9 +132,10 @@ def match_detections(out: Any, thresholds: tuple[float, ...] | None, *, max_dete
                             max_detections=max_detections)
     first = 0 if shard is None else shard.rows[0]  # the global row of this rank's first image
     n = out.labels.n_images
-    for start in range(0, n, batch_size):
-        stop = min(start + batch_size, n)
-        engine.update(out.detections.images(start, stop), out.labels.images(start, stop), first + start)
+    with threads.host_bound():  # slicing and matching: many small kernels, one thread (runtime.threads)
+        for start in range(0, n, batch_size):
+            stop = min(start + batch_size, n)
+            engine.update(out.detections.images(start, stop), out.labels.images(start, stop), first + start)
     return engine
 
 
