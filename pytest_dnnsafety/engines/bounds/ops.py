@@ -45,6 +45,10 @@ __all__ = ["Op", "Linear", "Nonlinear", "LinearOp", "ConvOp", "PositiveLinearOp"
            "MaxPoolOp", "ConvTransposeOp", "ConcatOp", "ElementwiseOp", "LeakyReluOp", "PermuteOp"]
 
 
+#: A convolution's transpose runs on channels-last data on the CPU when its input has at least this many pixels.
+CHANNELS_LAST_PIXELS = 256
+
+
 def _pos(a: Tensor) -> Tensor:
     return a.clamp(min=0)
 
@@ -202,8 +206,14 @@ class ConvOp(WeightedOp):
             out = _vjp(lambda z: self._apply(z, self.weight, None), a, in_shape)
         else:
             flat = a.reshape(bs * k, *self.out_shape)
+            # CPU kernels: a transposed convolution of many small images with few channels runs 3-10x faster on
+            # channels-last data (measured with 4-8 channels at 16x16-32x32, copies included); not on small images
+            wide = a.device.type == "cpu" and in_shape[1] * in_shape[2] >= CHANNELS_LAST_PIXELS
+            if wide:
+                flat = flat.contiguous(memory_format=torch.channels_last)
             out = F.conv_transpose2d(flat, self.weight, None, self.stride, self.padding, self.output_padding,
-                                     self.groups, self.dilation).reshape(bs, k, *in_shape)
+                                     self.groups, self.dilation)
+            out = out.reshape(bs, k, *in_shape)  # channels-last strides kept: the ReLUs' transposes work in them
         bias = None
         if self.bias is not None:
             bias = torch.matmul(a.sum(dim=(3, 4)), self.bias)
@@ -251,10 +261,13 @@ class AffineOp(Linear):
 
     def back(self, a: Tensor) -> tuple[list[Tensor], Tensor | None]:
         shift = self.shift.expand(1, *self.out_shape)
+        per_channel = a.ndim == 5 and self.shift.ndim == 4 and self.shift.shape[2:] == (1, 1)
+        dot = (lambda: torch.matmul(a.sum(dim=(3, 4)), shift[0, :, 0, 0])) if per_channel else (
+            lambda: _row_dot(a, shift[0]))  # per channel (batch norm): no flattening of channels-last coefficients
         if shift.device.type == "cpu":  # skip a zero shift's bias (reading it costs nothing on the CPU)
-            bias = _row_dot(a, shift[0]) if bool((shift != 0).any()) else None
+            bias = dot() if bool((shift != 0).any()) else None
         else:  # on an accelerator always add it (a zero bias adds exact zeros): no host sync
-            bias = _row_dot(a, shift[0])
+            bias = dot()
         return [a * self.scale.unsqueeze(1)], bias
 
 
@@ -339,6 +352,50 @@ class ReluOp(Nonlinear):
         slope = torch.where(a >= 0, sl.unsqueeze(1), su.unsqueeze(1))
         bias = _row_dot(_neg(a), bu)
         return a * slope, bias
+
+    @staticmethod
+    def unstable_index(relax: tuple[Tensor, ...], dense_share: float) -> tuple[Tensor, ...] | None:
+        """The neurons whose relaxation depends on the coefficient's sign, per sample, for :meth:`back_sparse`.
+
+        ``(index (B, m), sl, su, bu at the index)`` with ``m`` the most such neurons of a sample (read
+        on the host): the unstable ones first, padded with distinct stable ones. None when ``m`` exceeds
+        ``dense_share`` of the neurons (the dense :meth:`back_relaxed` is then cheaper).
+        """
+        sl, su, bu = (t.flatten(1) for t in relax)
+        varying = (sl != su) | (bu != 0)  # stable neurons have sl = su (0 or 1) and no intercept
+        m = int(varying.sum(dim=1).max()) if varying.numel() else 0
+        if m > dense_share * sl.shape[1]:
+            return None
+        idx = torch.sort(varying.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :m]
+        return idx, sl.gather(1, idx), su.gather(1, idx), bu.gather(1, idx)
+
+    def back_sparse(self, a: Tensor, sl: Tensor, sparse: tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+        """:meth:`back_relaxed` with the sign-dependent part on the unstable neurons only (the same values):
+        ``a·sl`` everywhere (exact where stable: ``sl = su``, ``bu = 0``), the unstable ones gathered, relaxed by
+        their sign and scattered back. One full-size product instead of a compare, a select, a product, a clamp."""
+        idx, sl_u, su_u, bu_u = sparse
+        bc, n = sl.shape[0], idx.shape[1]
+        shape = self.out_shape
+        last = a.ndim == 5 and a.permute(0, 1, 3, 4, 2).is_contiguous() and not a.is_contiguous()
+        if last:  # channels-last coefficients (a convolution's transpose): work in that order, no relayout
+            c, hw = shape[0], shape[1] * shape[2]
+            flat = a.permute(0, 1, 3, 4, 2).reshape(a.shape[0], a.shape[1], -1)
+            sl = sl.reshape(bc, c, hw).transpose(1, 2)
+            idx = (idx % hw) * c + idx // hw
+        else:
+            flat = a.flatten(2)
+        k = flat.shape[1]
+        out = flat * sl.reshape(bc, 1, -1)
+        if n:
+            ix = idx.unsqueeze(1).expand(bc, k, n)
+            a_u = flat.expand(bc, k, -1).gather(2, ix)
+            out.scatter_(2, ix, a_u * torch.where(a_u >= 0, sl_u.unsqueeze(1), su_u.unsqueeze(1)))
+            bias = torch.matmul(a_u.clamp_(max=0), bu_u.unsqueeze(2)).squeeze(2)
+        else:
+            bias = None
+        if last:
+            return out.reshape(bc, k, shape[1], shape[2], shape[0]).permute(0, 1, 4, 2, 3), bias
+        return out.reshape(bc, k, *shape), bias
 
 
 class MaxPoolOp(Nonlinear):
