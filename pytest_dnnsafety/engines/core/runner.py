@@ -190,8 +190,9 @@ class Runner:
             x = x.to(self.device, non_blocking=accel)
             if not x.is_floating_point():
                 x = x.to(torch.float32)
-            if self.check_inputs:
-                self.flag("inputs", ~torch.isfinite(x), index,
+            if self.check_inputs and x.numel():
+                lo, hi = torch.aminmax(x)  # one fused pass (NaN propagates, ±inf shows), no bool copy of the batch
+                self.flag("inputs", ~(torch.isfinite(lo) & torch.isfinite(hi)), index,
                           f"{self.what}: the inputs hold NaN/inf in {{count}} batch(es), the first being batch "
                           "{first}. Fix: clean or impute the inputs before evaluating.")
             y = self._labels(y, n, index)

@@ -71,6 +71,11 @@ class MSP(_OutputMonitor):
     kind = "msp"
 
     def _score(self, view: MonitorView) -> Tensor:
+        if (self.outputs or "logits") == "logits":
+            self._logits(view)  # the class-count check
+            # The shared pass already holds max softmax(logits) per input (its confidence, computed batch by batch
+            # from the same float32 logits): reading it saves a second softmax over all the logits.
+            return -view.outputs().confidence
         return -torch.softmax(self._logits(view).float(), dim=1).amax(dim=1)
 
 
@@ -98,7 +103,10 @@ class Energy(_OutputMonitor):
 
     def _score(self, view: MonitorView) -> Tensor:
         t = self.temperature
-        return -t * torch.logsumexp(self._logits(view).float() / t, dim=1)
+        logits = self._logits(view).float()
+        if t == 1.0:  # f/1 and 1·e are exact: the same scores without two passes over the logits
+            return -torch.logsumexp(logits, dim=1)
+        return -t * torch.logsumexp(logits / t, dim=1)
 
     def _config(self) -> dict[str, Any]:
         return {"temperature": self.temperature, **super()._config()}

@@ -109,6 +109,25 @@ def test_msp_and_energy_match_their_formulas() -> None:
     assert msp.dtype == torch.float32 and msp.shape == (60,)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_msp_and_energy_on_logits_are_the_plain_torch_scores_bit_for_bit(dtype: torch.dtype) -> None:
+    """MSP reads the shared pass's confidence (max softmax per batch) and energy at T=1 skips the division: the
+    scores equal the plain torch formulas on the view's float32 logits exactly, rows subset or not, no new pass."""
+    model, (x, y) = mlp(dtype=dtype), blobs(70, dtype=dtype)
+    cache = ActivationCache()
+    view = MonitorView(model, (x, y), batch_size=16, cache=cache)
+    msp, energy = fitted(MSP(), model, (x, y), batch_size=16), fitted(Energy(), model, (x, y), batch_size=16)
+    logits = view.logits()
+    passes = cache.forward_passes
+    assert torch.equal(msp.score(view), -torch.softmax(logits.float(), dim=1).amax(dim=1))
+    assert torch.equal(energy.score(view), -torch.logsumexp(logits.float(), dim=1))
+    rows = torch.tensor([65, 3, 17, 40])
+    sub = view.subset(rows)
+    assert torch.equal(msp.score(sub), -torch.softmax(logits[rows].float(), dim=1).amax(dim=1))
+    assert torch.equal(energy.score(sub), -torch.logsumexp(logits[rows].float(), dim=1))
+    assert cache.forward_passes == passes  # scoring read the shared pass only
+
+
 def test_probability_outputs_msp_exact_and_energy_refused() -> None:
     base = mlp()
     prob_model = nn.Sequential(base, nn.Softmax(dim=1)).eval()
