@@ -6,6 +6,7 @@ Part of :mod:`pytest_dnnsafety.scenarios`.
 from __future__ import annotations
 
 import csv
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,12 +14,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from pytest_dnnsafety.engines.core.projection import ProjectionLayout
+from pytest_dnnsafety.engines.coverage.counting import column_major, key_dtype
 from pytest_dnnsafety.engines.coverage.scenario import ScenarioCoverageEngine, check_projection_cells
 from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
 from pytest_dnnsafety.files.parsing import NotRegularFile, open_text
+from pytest_dnnsafety.runtime import threads
 from pytest_dnnsafety.scenarios.conditions import Conditions, Where, _as_value_list, _prefix
 from pytest_dnnsafety.scenarios.proposals import _propose, scenario_strategy
-from pytest_dnnsafety.scenarios.result import CoverageResult, SubsetCoverage, _format_where, pair_grids
+from pytest_dnnsafety.scenarios.result import (
+    PAIR_GRID_MAX_PAIRS,
+    PAIR_GRID_MAX_VALUES,
+    CoverageResult,
+    SubsetCoverage,
+    _format_where,
+)
 
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
@@ -73,6 +83,8 @@ class ScenarioTable:
         self._source = source
         #: CSV line of each row (set by :meth:`from_csv`; ``None`` for tables built in code)
         self._lines: tuple[int, ...] | None = None
+        #: (codes tensor, its version, its column-major compact copy): see :meth:`_columns`
+        self._column_cache: tuple[Tensor, int, Tensor] | None = None
         if isinstance(rows, Tensor):
             self.codes = _check_code_tensor(rows, conditions, source)
         else:
@@ -80,6 +92,8 @@ class ScenarioTable:
                 raise DataError(f"{_prefix(source)}rows must be a sequence of scenario dicts, got {type(rows).__name__}")
             encoded = [conditions.encode(row, f"{_prefix(source)}row {i}") for i, row in enumerate(rows)]
             self.codes = torch.tensor(encoded, dtype=torch.int64).reshape(len(encoded), len(conditions))
+        #: the codes as range-checked here (and their version): :meth:`_columns` trusts only these
+        self._checked: tuple[Tensor, int] | None = (self.codes, self.codes._version)
 
     @classmethod
     def from_csv(cls, path: str | Path, conditions: Conditions) -> ScenarioTable:
@@ -175,6 +189,26 @@ class ScenarioTable:
         for row in self.codes.tolist():
             yield {name: domains[name][code] for name, code in zip(names, row)}
 
+    def _columns(self) -> Tensor:
+        """The codes as a contiguous ``(conditions, rows)`` tensor of the narrowest integer dtype (int16 up to
+        32,768 values per condition), built once per codes tensor and reused by every :meth:`coverage` call.
+
+        The coverage engine reads its columns as they are (no per-call conversion or range check). Keyed
+        on the ``codes`` tensor and its in-place version counter, so a replaced or modified ``codes`` is
+        converted and range-checked again.
+        """
+        codes = self.codes
+        cache = getattr(self, "_column_cache", None)
+        if cache is not None and cache[0] is codes and cache[1] == codes._version:
+            return cache[2]
+        checked = getattr(self, "_checked", None)
+        if checked is None or checked[0] is not codes or checked[1] != codes._version:
+            # not the codes range-checked at construction (replaced or modified since): check them again
+            codes = _check_code_tensor(codes, self.conditions, self._source)
+        columns = column_major(codes, key_dtype(max(self.conditions.cardinalities)))
+        self._column_cache = (self.codes, self.codes._version, columns)
+        return columns
+
     def with_rows(self, rows: Sequence[Mapping[str, object]] | Tensor | ScenarioTable) -> ScenarioTable:
         """A copy with ``rows`` appended (dicts, codes, or another table over equal conditions)."""
         if isinstance(rows, ScenarioTable):
@@ -266,8 +300,8 @@ class ScenarioTable:
             })
         return total, examples
 
-    def _refuse_violations(self, where: Where | None) -> None:
-        total, examples = self.restriction_violations(where)
+    def _refuse_violations(self, where: Where | None, found: tuple[int, list[dict[str, Any]]] | None = None) -> None:
+        total, examples = self.restriction_violations(where) if found is None else found
         if not total:
             return
         shown = "; ".join(_format_violation(e) for e in examples)
@@ -307,7 +341,17 @@ class ScenarioTable:
         No rows give coverage 0 with every cell uncovered. Raises :class:`MetricError` when no
         cell is feasible, and :class:`DataError` listing the rows (0-based index, CSV line and
         values) when rows in scope break a declared restriction, unless ``allow_infeasible_rows``.
+
+        Runs on one torch thread (:func:`~pytest_dnnsafety.runtime.threads.host_bound`): the counting
+        is a few passes of serial ``bincount`` over the cached int16 columns (:meth:`_columns`), the rest
+        small kernels.
         """
+        with threads.host_bound():
+            return self._coverage(k, min_count, where, propose, seed, allow_infeasible_rows)
+
+    def _coverage(
+        self, k: int, min_count: int, where: Where | None, propose: int, seed: int, allow_infeasible_rows: bool
+    ) -> CoverageResult:
         if isinstance(propose, bool) or not isinstance(propose, int) or propose < 0:
             raise ConfigError(f"propose must be a non-negative int, got {propose!r}")
         table = self if where is None else self.select(where)
@@ -331,13 +375,21 @@ class ScenarioTable:
                 f"scenario coverage{scope} is undefined: the restrictions make every k={k} cell infeasible; "
                 f"relax the restrictions{' or widen where' if scope else ''}"
             )
-        if not allow_infeasible_rows:
-            self._refuse_violations(where)
         engine = ScenarioCoverageEngine(
             conditions.cardinalities, k=k, min_count=min_count, feasible=feasible, names=conditions.names
         )
-        engine.update(table.codes)
+        columns = table._columns()
+        engine.update(columns.t(), validate=False)  # the table's codes are range-checked
         out = engine.compute()
+        # A row breaking a restriction of at most k conditions lands in a cell that restriction makes
+        # infeasible (exact or not, cell_feasibility excludes such cells): with none occupied and no wider
+        # restriction, no row breaks one, and the rows need no scan.
+        if all(len(parts) <= k for parts in conditions._coded) and not bool((out.counts[~out.feasible] > 0).any()):
+            violations: tuple[int, list[dict[str, Any]]] = (0, [])
+        else:
+            violations = self.restriction_violations(where)
+        if not allow_infeasible_rows:
+            self._refuse_violations(where, violations)
         layout = out.layout
         names, domains = conditions.names, conditions.domains
 
@@ -367,7 +419,7 @@ class ScenarioTable:
         ]
         deficit = torch.where(out.feasible, (min_count - out.counts).clamp(min=0), torch.zeros_like(out.counts))
         proposals, closes = _propose(conditions, layout, deficit, propose, seed) if propose else ([], [])
-        infeasible_rows, infeasible_examples = self.restriction_violations(where)
+        infeasible_rows, infeasible_examples = violations
         return CoverageResult(
             value=float(out.value),
             covered=int(out.covered),
@@ -385,7 +437,7 @@ class ScenarioTable:
             proposal_closes=closes,
             infeasible_rows=infeasible_rows,
             infeasible_row_examples=infeasible_examples,
-            pair_grids=pair_grids(conditions, table.codes),
+            pair_grids=_pair_grids(conditions, layout, out.counts, columns),
         )
 
     def strategy(self, k: int = 2) -> SearchStrategy[dict[str, str]]:
@@ -394,6 +446,54 @@ class ScenarioTable:
         See :func:`~pytest_dnnsafety.scenarios.proposals.scenario_strategy`.
         """
         return scenario_strategy(self, k)
+
+
+def _pair_grids(conditions: Conditions, layout: ProjectionLayout, counts: Tensor,
+                columns: Tensor) -> list[dict[str, Any]] | None:
+    """:func:`~pytest_dnnsafety.scenarios.result.pair_grids`, equal to it, from the k-projection counts.
+
+    Each pair's grid is summed out of a k-subset holding both conditions (k = 2: the counts themselves);
+    only k = 1 counts the pairs again, from the cached columns (``columns``, conditions × rows).
+    """
+    cards = conditions.cardinalities
+    n = len(cards)
+    if n * (n - 1) // 2 > PAIR_GRID_MAX_PAIRS or any(card > PAIR_GRID_MAX_VALUES for card in cards):
+        return None
+    if n < 2:
+        return []
+    if layout.k < 2:
+        engine = ScenarioCoverageEngine(cards, k=2)
+        engine.update(columns.t(), validate=False)
+        layout, counts = engine.layout, engine.counts
+    pairs = list(itertools.combinations(range(n), 2))
+    if layout.k == 2:
+        flat = counts
+    else:
+        source: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+        for s, subset in enumerate(layout.subsets):
+            for a, b in itertools.combinations(range(len(subset)), 2):
+                others = tuple(d for d in range(len(subset)) if d not in (a, b))
+                source.setdefault((subset[a], subset[b]), (s, others))
+        blocks = []
+        for pair in pairs:
+            s, others = source[pair]
+            block = counts[layout.offsets[s] : layout.offsets[s + 1]].view([cards[c] for c in layout.subsets[s]])
+            blocks.append(block.sum(others).reshape(-1))
+        flat = torch.cat(blocks)  # the k = 2 layout: pairs in combinations order, cells in mixed radix
+    feasible, _ = conditions.cell_feasibility(2)
+    values = torch.where(feasible, flat, torch.full_like(flat, -1)).tolist()  # one conversion for all pairs
+    names, domains = conditions.names, conditions.domains
+    grids = []
+    offset = 0
+    for a, b in pairs:
+        ca, cb = cards[a], cards[b]
+        grids.append({
+            "conditions": [names[a], names[b]],
+            "values": [list(domains[names[a]]), list(domains[names[b]])],
+            "counts": [values[offset + i * cb : offset + (i + 1) * cb] for i in range(ca)],
+        })
+        offset += ca * cb
+    return grids
 
 
 def _format_violation(example: Mapping[str, Any]) -> str:

@@ -17,13 +17,18 @@ Layout of the single state ``counts`` (int64, reduce ``sum``): the k-subsets of 
 cell ``(v_i, v_j, v_l)`` sits at ``v_i·|C_j|·|C_l| + v_j·|C_l| + v_l`` (mixed radix, first
 condition most significant, i.e. :func:`itertools.product` order).
 
-Counting is one vectorised pass per row chunk: ``index = codes @ W + offsets`` (an ``n × S``
-radix-weight matrix, S = number of subsets), then one ``torch.bincount`` over the chunk's
-``rows × S`` indices (``index_add_`` off the CPU, where ``bincount`` would sync to the host).
-The matrix product runs in float64, exact for every index below 2**53 and immune to the
-reduced-precision (TF32/bf16) float32 matmul modes; indices then travel as int32.
-Measured on 2 CPU cores: about 0.1–0.2 s for 10^6 rows × 10 conditions at k = 2 and
-0.2–0.4 s at k = 3 (``tests/benchmarks/test_bench_scenario.py``).
+Counting on the CPU (from :data:`GROUP_MIN_INDICES` rows × subsets per update): the conditions
+are gathered into groups with small joint tables that together contain every k-subset, one pass
+over the rows per group (int16 mixed-radix keys, one ``bincount``), and the k-subsets are summed out
+of the joint tables (:mod:`pytest_dnnsafety.engines.coverage.counting`), on one thread
+(:func:`~pytest_dnnsafety.runtime.threads.host_bound`). Elsewhere (accelerators, small updates): one
+vectorised pass per row chunk, ``index = codes @ W + offsets`` (an ``n × S`` radix-weight matrix,
+S = number of subsets), then one ``torch.bincount`` over the chunk's ``rows × S`` indices
+(``index_add_`` off the CPU, where ``bincount`` would sync to the host). The matrix product runs in
+float64, exact for every index below 2**53 and immune to the reduced-precision (TF32/bf16) float32
+matmul modes; indices then travel as int32. Both count exactly the same.
+Measured on 2 shared CPU cores, 10^6 rows × 10 conditions of 2–12 values: see
+``tests/benchmarks/test_bench_scenario.py`` and the "Speed" paragraph of ``docs/gates/coverage.md``.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import torch
 from torch import Tensor
 
 from pytest_dnnsafety.engines.core.base import Engine
-from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
-
 from pytest_dnnsafety.engines.core.projection import ProjectionLayout
+from pytest_dnnsafety.engines.coverage.counting import column_major, count_projections, plan_for
+from pytest_dnnsafety.errors import ConfigError, DataError, MetricError
+from pytest_dnnsafety.runtime import threads
 
 __all__ = ["MAX_CELLS", "ScenarioCoverageEngine", "ScenarioCoverageOutput", "check_projection_cells",
            "projection_cells"]
@@ -91,6 +97,14 @@ _CPU_CHUNK_ELEMS = 1 << 20
 _ACCEL_CHUNK_ELEMS = 1 << 24
 #: Hard bound on indices per chunk (float64 + int32 each: about 400 MiB at most).
 _MAX_CHUNK_ELEMS = 1 << 25
+#: When an update on the CPU counts by condition groups (:mod:`.counting`) instead of one index per row
+#: and subset: from ``2**20`` ``rows × subsets`` indices, or from ``2**17`` with at least 100 rows per
+#: subset; below, the one-shot matrix product and bincount costs less than the groups' fixed work (a few
+#: kernels per group and one small sum, about 20 µs, per subset). Measured crossover on 2 CPU cores:
+#: 0.1–0.4 M indices at k = 1–2, about 1 M at k = 3.
+GROUP_MIN_INDICES = 1 << 17
+GROUP_ALWAYS_INDICES = 1 << 20
+GROUP_MIN_ROWS_PER_SUBSET = 100
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,15 @@ def _segment_sums(mask: Tensor, offsets: Tensor) -> Tensor:
     """Per-subset sums of a flat boolean mask (subsets are contiguous in the flat layout)."""
     csum = torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.to(torch.int64).cumsum(0)])
     return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def _weight_matrix(layout: ProjectionLayout, device: torch.device) -> Tensor:
+    """:meth:`ProjectionLayout.weight_matrix` in float64, by one scatter (not one assignment per entry)."""
+    weights = torch.zeros(len(layout.cardinalities), layout.n_subsets, dtype=torch.float64)
+    columns = torch.arange(layout.n_subsets).repeat_interleave(layout.k)
+    strides = torch.tensor(layout.strides, dtype=torch.float64).reshape(-1)
+    weights[layout.subset_tensor().reshape(-1), columns] = strides
+    return weights.to(device)
 
 
 class ScenarioCoverageEngine(Engine):
@@ -176,22 +199,24 @@ class ScenarioCoverageEngine(Engine):
         self.names: tuple[str, ...] | None = names
         self.layout = ProjectionLayout(cards, k)
         total = self.layout.total
-        if feasible is None:
-            mask = torch.ones(total, dtype=torch.bool)
-        else:
-            if not isinstance(feasible, Tensor) or feasible.dtype != torch.bool or feasible.shape != (total,):
-                shown = tuple(feasible.shape) if isinstance(feasible, Tensor) else type(feasible).__name__
-                raise ConfigError(f"feasible must be a bool tensor of shape ({total},), got {shown}")
-            mask = feasible.detach().to("cpu", copy=True)
-        self.n_feasible = int(mask.sum())
-        self._feasible = mask.to(self.device)
-        self._card_tensor = torch.tensor(cards, dtype=torch.int64, device=self.device)
-        self._offsets_all = torch.tensor(self.layout.offsets, dtype=torch.int64, device=self.device)
-        self._weights_f = self.layout.weight_matrix(torch.float64, self.device)
-        self._offsets_f = self.layout.offsets_tensor(torch.float64, self.device)
-        self._index_dtype = torch.int32 if total < 2**31 else torch.int64
-        self._set_paths()
-        self.add_state("counts", torch.zeros(total, dtype=torch.int64), reduce="sum")
+        with threads.sized(total):  # small kernels: one thread (see runtime.threads)
+            if feasible is None:
+                mask = torch.ones(total, dtype=torch.bool)
+            else:
+                if not isinstance(feasible, Tensor) or feasible.dtype != torch.bool or feasible.shape != (total,):
+                    shown = tuple(feasible.shape) if isinstance(feasible, Tensor) else type(feasible).__name__
+                    raise ConfigError(f"feasible must be a bool tensor of shape ({total},), got {shown}")
+                mask = feasible.detach().to("cpu", copy=True)
+            self.n_feasible = int(mask.sum())
+            self._feasible = mask.to(self.device)
+            self._card_tensor = torch.tensor(cards, dtype=torch.int64, device=self.device)
+            self._offsets_all = torch.tensor(self.layout.offsets, dtype=torch.int64, device=self.device)
+            #: the float64 radix weights and offsets of the matrix-product path, built at its first use
+            self._weights_f: Tensor | None = None
+            self._offsets_f: Tensor | None = None
+            self._index_dtype = torch.int32 if total < 2**31 else torch.int64
+            self._set_paths()
+            self.add_state("counts", torch.zeros(total, dtype=torch.int64), reduce="sum")
 
     # ------------------------------------------------------------------ configuration
     def _set_paths(self) -> None:
@@ -200,6 +225,8 @@ class ScenarioCoverageEngine(Engine):
         self._use_bincount = on_cpu
         #: float64 matmul where supported (CPU, CUDA); exact integer gather otherwise (e.g. MPS).
         self._use_float_index = self.device.type in ("cpu", "cuda")
+        #: condition groups and int16 keys (:mod:`.counting`) for large updates on the CPU
+        self._use_groups = on_cpu
         elems = _CPU_CHUNK_ELEMS if on_cpu else _ACCEL_CHUNK_ELEMS
         # bincount materialises `total` bins per chunk: keep chunks at least twice that big.
         elems = min(max(elems, 2 * self.layout.total), _MAX_CHUNK_ELEMS)
@@ -209,8 +236,7 @@ class ScenarioCoverageEngine(Engine):
         self._feasible = self._feasible.to(device)
         self._card_tensor = self._card_tensor.to(device)
         self._offsets_all = self._offsets_all.to(device)
-        self._weights_f = self._weights_f.to(device)
-        self._offsets_f = self._offsets_f.to(device)
+        self._weights_f = self._offsets_f = None
         self._set_paths()
 
     @property
@@ -292,6 +318,17 @@ class ScenarioCoverageEngine(Engine):
         if codes.shape[0] == 0:
             return
         codes = codes.to(self.device, non_blocking=self.device.type != "cpu")  # a D2H copy must block
+        if self.device.type != "cpu":
+            self._update_indices(codes, validate)
+            return
+        with threads.host_bound():  # serial bincounts and small kernels (see runtime.threads)
+            if self._by_groups(codes.shape[0]):
+                self._update_groups(codes, validate)
+            else:
+                self._update_indices(codes, validate)
+
+    def _update_indices(self, codes: Tensor, validate: bool) -> None:
+        """One index per row and subset, one ``bincount`` (or ``index_add_``) per chunk of rows."""
         if validate:
             self._check_codes(codes)
         total = self.layout.total
@@ -302,8 +339,34 @@ class ScenarioCoverageEngine(Engine):
             else:
                 self.counts.index_add_(0, index, torch.ones_like(index, dtype=torch.int64))
 
+    def _by_groups(self, rows: int) -> bool:
+        subsets = self.layout.n_subsets
+        indices = rows * subsets
+        return self._use_groups and (indices >= GROUP_ALWAYS_INDICES or (
+            indices >= GROUP_MIN_INDICES and rows >= GROUP_MIN_ROWS_PER_SUBSET * subsets))
+
+    def _update_groups(self, codes: Tensor, validate: bool) -> None:
+        """The CPU path of :meth:`update` (see :mod:`.counting`): validated, narrowed once, counted by groups.
+
+        Validation: one pass over all codes for their overall range (which also proves the narrowing to
+        the keys' dtype exact), and a per-condition maximum over the narrowed columns only when some
+        condition has fewer values than the overall maximum; the exact search runs only on bad input.
+        """
+        plan = plan_for(self.cardinalities, self.k, codes.shape[0])
+        if validate:
+            low, high = (int(v) for v in torch.aminmax(codes))
+            if low < 0 or high >= max(self.cardinalities):
+                self._check_codes(codes)
+        columns = column_major(codes, plan.dtype)
+        if validate and high >= min(self.cardinalities) and bool((columns.amax(dim=1) >= self._card_tensor).any()):
+            self._check_codes(codes)
+        count_projections(columns, self.layout, plan, self.counts)
+
     def _chunk_indices(self, chunk: Tensor) -> Tensor:
         if self._use_float_index:
+            if self._weights_f is None or self._offsets_f is None:
+                self._weights_f = _weight_matrix(self.layout, self.device)
+                self._offsets_f = self.layout.offsets_tensor(torch.float64, self.device)
             index = torch.addmm(self._offsets_f, chunk.to(torch.float64), self._weights_f)
             return index.to(self._index_dtype)
         return self.layout.cell_indices(chunk).to(self._index_dtype)
@@ -318,6 +381,10 @@ class ScenarioCoverageEngine(Engine):
                 f"scenario coverage is undefined: all {self.layout.total} k={self.k} projection cells are "
                 f"infeasible; the restrictions exclude every scenario — relax them"
             )
+        with threads.sized(self.layout.total):  # kernels over the cells, usually far fewer than 2**18
+            return self._compute()
+
+    def _compute(self) -> ScenarioCoverageOutput:
         counts = self.counts
         occupied = counts >= self.min_count
         feasible = self._feasible
