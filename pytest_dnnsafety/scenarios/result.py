@@ -5,14 +5,13 @@ Part of :mod:`pytest_dnnsafety.scenarios`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-
-from pytest_dnnsafety.engines.core.projection import ProjectionLayout
 
 if TYPE_CHECKING:
     from pytest_dnnsafety.scenarios.conditions import Conditions
@@ -29,6 +28,34 @@ def _format_where(where: Mapping[str, Sequence[str]] | None) -> str:
     return ", ".join(f"{name}={'|'.join(values)}" for name, values in where.items())
 
 
+def pair_grids_shown(cardinalities: Sequence[int]) -> bool:
+    """Whether pair grids are kept: at most :data:`PAIR_GRID_MAX_PAIRS` pairs and
+    :data:`PAIR_GRID_MAX_VALUES` values in every domain."""
+    n = len(cardinalities)
+    return n * (n - 1) // 2 <= PAIR_GRID_MAX_PAIRS and all(card <= PAIR_GRID_MAX_VALUES for card in cardinalities)
+
+
+def pair_grids_from_counts(conditions: Conditions, flat: Tensor) -> list[dict[str, Any]]:
+    """The pair grids (see :func:`pair_grids`) from the row counts of every k = 2 cell, laid out as
+    :class:`ProjectionLayout` ``(cards, 2)`` lays them out; infeasible cells become ``-1``."""
+    cards = conditions.cardinalities
+    feasible, _ = conditions.cell_feasibility(2)
+    values = torch.where(feasible, flat.to("cpu", torch.int64), torch.full_like(flat, -1, device="cpu",
+                                                                                dtype=torch.int64)).tolist()
+    names, domains = conditions.names, conditions.domains
+    grids = []
+    offset = 0
+    for a, b in itertools.combinations(range(len(cards)), 2):
+        ca, cb = cards[a], cards[b]
+        grids.append({
+            "conditions": [names[a], names[b]],
+            "values": [list(domains[names[a]]), list(domains[names[b]])],
+            "counts": [values[offset + i * cb : offset + (i + 1) * cb] for i in range(ca)],
+        })
+        offset += ca * cb
+    return grids
+
+
 def pair_grids(conditions: Conditions, codes: Tensor) -> list[dict[str, Any]] | None:
     """Row counts of every pair of conditions (for plots), or None when there are too many pairs or values.
 
@@ -37,31 +64,16 @@ def pair_grids(conditions: Conditions, codes: Tensor) -> list[dict[str, Any]] | 
     ``counts[i][j]`` is the number of rows of ``codes`` with ``a = values[0][i]`` and
     ``b = values[1][j]``, and ``-1`` marks a cell that the restrictions make infeasible. One
     ``bincount`` per pair; ``None`` beyond :data:`PAIR_GRID_MAX_PAIRS` pairs or
-    :data:`PAIR_GRID_MAX_VALUES` values in a domain.
+    :data:`PAIR_GRID_MAX_VALUES` values in a domain. (``ScenarioTable.coverage`` sums the same grids
+    out of its k-projection counts instead of counting the rows again.)
     """
     cards = conditions.cardinalities
-    n = len(cards)
-    if n * (n - 1) // 2 > PAIR_GRID_MAX_PAIRS or any(card > PAIR_GRID_MAX_VALUES for card in cards):
+    if not pair_grids_shown(cards):
         return None
-    if n < 2:
-        return []
-    feasible, _ = conditions.cell_feasibility(2)
-    layout = ProjectionLayout(cards, 2)
-    names, domains = conditions.names, conditions.domains
     codes = codes.to("cpu", torch.int64)
-    grids = []
-    for s, (a, b) in enumerate(layout.subsets):
-        ca, cb = cards[a], cards[b]
-        counts = torch.bincount(codes[:, a] * cb + codes[:, b], minlength=ca * cb).reshape(ca, cb)
-        sa, sb = layout.strides[s]
-        cell = layout.offsets[s] + torch.arange(ca)[:, None] * sa + torch.arange(cb)[None, :] * sb
-        counts = torch.where(feasible[cell], counts, torch.full_like(counts, -1))
-        grids.append({
-            "conditions": [names[a], names[b]],
-            "values": [list(domains[names[a]]), list(domains[names[b]])],
-            "counts": counts.tolist(),
-        })
-    return grids
+    flat = [torch.bincount(codes[:, a] * cards[b] + codes[:, b], minlength=cards[a] * cards[b])
+            for a, b in itertools.combinations(range(len(cards)), 2)]
+    return pair_grids_from_counts(conditions, torch.cat(flat)) if flat else []
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from pytest_dnnsafety.runtime import threads
 from pytest_dnnsafety.scenarios.conditions import Conditions, Where, _as_value_list, _prefix
 from pytest_dnnsafety.scenarios.proposals import _propose, scenario_strategy
 from pytest_dnnsafety.scenarios.result import (
-    PAIR_GRID_MAX_PAIRS,
-    PAIR_GRID_MAX_VALUES,
     CoverageResult,
     SubsetCoverage,
     _format_where,
+    pair_grids_from_counts,
+    pair_grids_shown,
 )
 
 if TYPE_CHECKING:
@@ -457,7 +457,7 @@ def _pair_grids(conditions: Conditions, layout: ProjectionLayout, counts: Tensor
     """
     cards = conditions.cardinalities
     n = len(cards)
-    if n * (n - 1) // 2 > PAIR_GRID_MAX_PAIRS or any(card > PAIR_GRID_MAX_VALUES for card in cards):
+    if not pair_grids_shown(cards):
         return None
     if n < 2:
         return []
@@ -480,20 +480,7 @@ def _pair_grids(conditions: Conditions, layout: ProjectionLayout, counts: Tensor
             block = counts[layout.offsets[s] : layout.offsets[s + 1]].view([cards[c] for c in layout.subsets[s]])
             blocks.append(block.sum(others).reshape(-1))
         flat = torch.cat(blocks)  # the k = 2 layout: pairs in combinations order, cells in mixed radix
-    feasible, _ = conditions.cell_feasibility(2)
-    values = torch.where(feasible, flat, torch.full_like(flat, -1)).tolist()  # one conversion for all pairs
-    names, domains = conditions.names, conditions.domains
-    grids = []
-    offset = 0
-    for a, b in pairs:
-        ca, cb = cards[a], cards[b]
-        grids.append({
-            "conditions": [names[a], names[b]],
-            "values": [list(domains[names[a]]), list(domains[names[b]])],
-            "counts": [values[offset + i * cb : offset + (i + 1) * cb] for i in range(ca)],
-        })
-        offset += ca * cb
-    return grids
+    return pair_grids_from_counts(conditions, flat)
 
 
 def _format_violation(example: Mapping[str, Any]) -> str:
