@@ -107,6 +107,8 @@ def take(data: Any, indices: Sequence[int], what: str = "data") -> Any:
             drop_last=data.drop_last, timeout=data.timeout, worker_init_fn=data.worker_init_fn,
             prefetch_factor=data.prefetch_factor if data.num_workers else None,
             persistent_workers=data.persistent_workers)
+    if isinstance(data, DetectionData) and callable(getattr(data, "rows", None)):  # lazy (COCO) data: stays lazy
+        return data.rows(list(indices))
     if isinstance(data, DetectionData):
         targets = BoxSet.cat([data.targets.images(i, i + 1) for i in indices])
         return DetectionData(data.x[index], targets)

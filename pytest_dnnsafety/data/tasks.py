@@ -76,7 +76,10 @@ class BoxSet:
 
     ``boxes``: ``(M, 4)`` floating ``x1, y1, x2, y2``; ``labels``: ``(M,)`` int64 classes;
     ``image``: ``(M,)`` int64 image index in ``0 .. n_images - 1``, non-decreasing; ``scores``:
-    ``(M,)`` confidence of a detection, ``None`` for ground truth.
+    ``(M,)`` confidence of a detection, ``None`` for ground truth. Ground truth may also carry COCO's
+    ``crowd`` ``(M,)`` bool (``iscrowd``: an "ignore" region) and ``area`` ``(M,)`` float64 (the annotation's
+    area, which sorts an object into COCO's small/medium/large ranges); ``None``: no crowd regions, and the
+    area of a box is ``(x2 − x1)·(y2 − y1)``.
     """
 
     boxes: Tensor
@@ -84,6 +87,8 @@ class BoxSet:
     image: Tensor
     n_images: int
     scores: Tensor | None = None
+    crowd: Tensor | None = None
+    area: Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -94,7 +99,15 @@ class BoxSet:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "BoxSet":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return BoxSet(move(self.boxes), move(self.labels), move(self.image), self.n_images, move(self.scores))
+        return BoxSet(move(self.boxes), move(self.labels), move(self.image), self.n_images, move(self.scores),
+                      move(self.crowd), move(self.area))
+
+    def box_area(self) -> Tensor:
+        """``(M,)`` float64: the ``area`` given (COCO's annotation area), else ``(x2 − x1)·(y2 − y1)``."""
+        if self.area is not None:
+            return self.area.to(torch.float64)
+        b = self.boxes.to(torch.float64)
+        return (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
 
     def counts(self) -> Tensor:
         """Boxes per image, ``(n_images,)`` int64."""
@@ -110,12 +123,12 @@ class BoxSet:
         lo, hi = torch.searchsorted(self.image.cpu(), torch.tensor([start, stop])).tolist()
         pick = slice(lo, hi)
         return BoxSet(self.boxes[pick], self.labels[pick], self.image[pick] - start, stop - start,
-                      None if self.scores is None else self.scores[pick])
+                      *(None if t is None else t[pick] for t in (self.scores, self.crowd, self.area)))
 
     def select(self, keep: Tensor) -> "BoxSet":
         """The rows where the boolean ``keep`` is true (images unchanged)."""
         return BoxSet(self.boxes[keep], self.labels[keep], self.image[keep], self.n_images,
-                      None if self.scores is None else self.scores[keep])
+                      *(None if t is None else t[keep] for t in (self.scores, self.crowd, self.area)))
 
     def to_dicts(self) -> list[dict[str, Tensor]]:
         """torchvision's format: one dict per image (``scores`` only for detections)."""
@@ -137,10 +150,16 @@ class BoxSet:
             images.append(part.image + shift)
             shift += part.n_images
         scores = [p.scores for p in parts]
+        crowd = area = None
+        if any(p.crowd is not None for p in parts):  # a part without crowd regions has none
+            crowd = torch.cat([p.crowd if p.crowd is not None else torch.zeros(len(p), dtype=torch.bool,
+                                                                              device=p.device) for p in parts])
+        if any(p.area is not None for p in parts):
+            area = torch.cat([p.box_area() for p in parts])
         return BoxSet(torch.cat([p.boxes for p in parts]) if parts else torch.zeros(0, 4),
                       torch.cat([p.labels for p in parts]) if parts else torch.zeros(0, dtype=torch.int64),
                       torch.cat(images) if parts else torch.zeros(0, dtype=torch.int64), shift,
-                      torch.cat(scores) if parts and all(s is not None for s in scores) else None)
+                      torch.cat(scores) if parts and all(s is not None for s in scores) else None, crowd, area)
 
 
 def _dict_part(item: Any, key: str, what: str, index: int) -> Tensor:
@@ -192,7 +211,15 @@ def as_boxset(value: Any, n: int, what: str, *, scores: bool = False, error: typ
     boxes = torch.cat(parts["boxes"]).to(device) if n else torch.zeros(0, 4)
     labels = torch.cat([t.reshape(-1) for t in parts["labels"]]).to(device).long() if n else torch.zeros(0).long()
     score = torch.cat([t.reshape(-1) for t in parts["scores"]]).to(device) if scores and n else None
-    return BoxSet(boxes if boxes.is_floating_point() else boxes.float(), labels, image, n, score)
+    extra: dict[str, Tensor | None] = {"iscrowd": None, "area": None}  # COCO targets' crowd regions and areas
+    for key in extra:
+        if not scores and n and all(isinstance(item, Mapping) and key in item for item in value):
+            extra[key] = torch.cat([torch.as_tensor(item[key]).reshape(-1) for item in value]).to(device)
+            if extra[key].shape[0] != boxes.shape[0]:
+                raise error(f"{what}: {extra[key].shape[0]} {key} values for {boxes.shape[0]} boxes. Fix: one per box.")
+    return BoxSet(boxes if boxes.is_floating_point() else boxes.float(), labels, image, n, score,
+                  None if extra["iscrowd"] is None else extra["iscrowd"].bool(),
+                  None if extra["area"] is None else extra["area"].to(torch.float64))
 
 
 def bad_boxes(boxes: BoxSet, num_classes: int | None = None) -> Tensor:
@@ -256,12 +283,13 @@ def detections_from_output(out: Any, n: int, what: str) -> BoxSet:
     return as_boxset(out, n, what, scores=True, error=MetricError)
 
 
-def paired_iou(a: Tensor, b: Tensor) -> Tensor:
+def paired_iou(a: Tensor, b: Tensor, crowd: Tensor | None = None) -> Tensor:
     """Jaccard index (IoU) of ``a[..., :]`` with ``b[..., :]``, boxes ``x1, y1, x2, y2`` broadcast against each
     other over the leading dimensions, in float64 (as COCO evaluates it). The one IoU kernel of the plugin:
     :func:`box_iou` (every pair of two lists), per-image pairings and per-cell matrices all call it, so they
     give the same bits for the same two boxes. Areas are ``(x2 - x1)·(y2 - y1)`` (no +1 pixel convention);
-    two empty boxes have IoU 0.
+    two empty boxes have IoU 0. ``crowd`` (bool, broadcast against ``b``'s leading dimensions): where true, ``b``
+    is a COCO crowd region and the overlap is the intersection over ``a``'s area (pycocotools' ``iscrowd``).
     """
     a, b = a.double(), b.double()
     area_a = (a[..., 2] - a[..., 0]).clamp_min(0) * (a[..., 3] - a[..., 1]).clamp_min(0)
@@ -270,6 +298,8 @@ def paired_iou(a: Tensor, b: Tensor) -> Tensor:
     rb = torch.minimum(a[..., 2:], b[..., 2:])
     inter = (rb - lt).clamp_min(0).prod(dim=-1)
     union = area_a + area_b - inter
+    if crowd is not None:
+        union = torch.where(crowd, area_a.expand_as(union), union)
     return torch.where(union > 0, inter / union.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(inter))
 
 
@@ -413,8 +443,16 @@ class DetectionData(torch.utils.data.Dataset):
         return int(self.x.shape[0])
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.x[index], self._target(index)
+
+    def _target(self, index: int) -> dict[str, Tensor]:
         one = self.targets.images(index, index + 1)
-        return self.x[index], {"boxes": one.boxes, "labels": one.labels}
+        item = {"boxes": one.boxes, "labels": one.labels}
+        if one.crowd is not None:
+            item["iscrowd"] = one.crowd
+        if one.area is not None:
+            item["area"] = one.area
+        return item
 
     def batch(self, start: int, stop: int) -> tuple[Tensor, BoxSet]:
         """Images ``start .. stop - 1`` and their targets, packed."""

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 #: (a dict each: about 0.4 GB and 4 s per million cells), so the cap sits below the coverage engine's
 #: ``MAX_CELLS``, as the reliability grid caps the cells it holds (``MAX_GRID_CELLS``).
 MAX_TABLE_CELLS = 1 << 22
+#: Columns of a scenario CSV that name each row's image (not conditions): matched to COCO data's ids or file names.
+JOIN_COLUMNS = ("image_id", "file_name")
 
 
 def _check_code_tensor(codes: Tensor, conditions: Conditions, source: str | None) -> Tensor:
@@ -140,7 +142,14 @@ class ScenarioTable:
                 f"({','.join(conditions.names)}) and one row per evaluation sample"
             )
         seen: dict[str, int] = {}
+        join: tuple[str, int] | None = None  # a column of image ids / file names, matched to COCO data
         for j, name in enumerate(header):
+            if name in JOIN_COLUMNS and name not in conditions.domains:
+                if join is not None:
+                    raise DataError(f"{where}, line {header_line}: both {join[0]!r} and {name!r} columns; keep one "
+                                    "column that names each row's image")
+                join = (name, j)
+                continue
             if name in seen:
                 raise DataError(
                     f"{where}, line {header_line}, column {j + 1}: condition {name!r} appears twice in the header "
@@ -174,7 +183,25 @@ class ScenarioTable:
                 ) from None
         table = cls(conditions, codes, source=where)
         table._lines = tuple(lines)
+        if join is not None:
+            table._join = (join[0], tuple(columns[join[1]]))
         return table
+
+    def aligned_to(self, data: Any) -> ScenarioTable:
+        """The rows in the data's order, when this table (read by :meth:`from_csv`) has an ``image_id`` or
+        ``file_name`` column and ``data`` are COCO data (:class:`~pytest_dnnsafety.files.coco.CocoDetectionData`:
+        ``image_ids``, ``file_names``); else the table itself (rows matched by position). A missing, extra or
+        repeated image is a DataError naming it."""
+        join = getattr(self, "_join", None)
+        if join is None or getattr(data, "image_ids", None) is None:
+            return self
+        from pytest_dnnsafety.files.coco import reorder_rows
+
+        rows = reorder_rows(join[1], data, join[0], self._source or "scenario table")
+        out = ScenarioTable(self.conditions, self.codes[torch.as_tensor(rows, dtype=torch.int64)], source=self._source)
+        if self._lines is not None:
+            out._lines = tuple(self._lines[i] for i in rows)
+        return out
 
     # ------------------------------------------------------------------ table basics
     def __len__(self) -> int:

@@ -5,7 +5,9 @@ asserts).
 What each side's time covers, from its users' own in-memory format:
 
 * the plugin: ``BoxMatchEngine.update`` per batch of 256 images (the gates' default batch), from packed tensors
-  already split into batches (as a DataLoader yields them), then ``evaluate()`` (mAP of every image);
+  already split into batches (as a DataLoader yields them; every COCO area range matched), then ``evaluate()``
+  (mAP of every image) and ``area_maps()`` (small, medium, large: what the libraries' ``accumulate`` also
+  computes);
 * faster-coco-eval and pycocotools: building the ground-truth ``COCO`` object from the dataset dict, ``loadRes``
   of the results list, ``evaluate()`` and ``accumulate()`` (their ``summarize()`` only prints). Building the
   dicts from the tensors is left out (:func:`_coco_reference.coco_inputs`, fresh ones per call: ``loadRes``
@@ -54,6 +56,7 @@ def plugin_map(batches: list[tuple]) -> tuple[float, float]:
     for d, g, first in batches:
         engine.update(d, g, start=first)
     result = engine.evaluate()
+    engine.area_maps()  # small/medium/large too: the libraries' evaluate + accumulate compute every area range
     return result.map, time.perf_counter() - start
 
 

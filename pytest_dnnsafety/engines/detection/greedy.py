@@ -18,11 +18,16 @@ rank, so its cost is the batch's detections × objects per cell × thresholds, n
   block; a batch whose padded cells × objects × thresholds exceed :data:`MATCH_CHUNK_ELEMENTS` is matched in
   spans of consecutive cells (:func:`cell_spans`).
 
+With ``ranges`` (COCO's crowd regions and area ranges) the same loop runs over range × threshold columns and takes,
+per step, the best free regular object, else the best free ignore object (:func:`_greedy_ignore`).
+
 A few small host reads per batch size the loop (the active detections, the number of cells, the histogram of
 detections per cell and the largest cell's object count; the histogram again per span of a crowded batch). Pure torch, device-agnostic, no pytest import.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,9 +65,18 @@ def cell_spans(d_count: list[int], g_count: list[int], width: int,
 
 
 def match_batch(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int,
-                limit: int = MATCH_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                limit: int = MATCH_CHUNK_ELEMENTS, ranges: Tensor | None = None) -> tuple[Tensor, ...]:
     """The detections kept (at most ``max_det`` per cell) in (image, class, score descending) order — score (float64),
-    label, image — and their ``(D, T)`` matched bits (see the module docstring)."""
+    label, image — and their ``(D, T)`` matched bits (see the module docstring).
+
+    With ``ranges`` (``(A, 2)`` float64 area ranges ``[lo, hi]``), COCO's ignore rules too: crowd objects
+    (``gts.crowd``) and objects whose area (``gts.area``, else the box's) lies outside a range are "ignore" objects
+    of that range; a detection takes a regular object when one is free at ``t``, else the best ignore object (a
+    crowd region, overlap = intersection / the detection's area, may take any number of detections) and is then
+    ignored; an unmatched detection whose own area lies outside the range is ignored too. Returns matched and
+    ignored bits ``(D, A, T)`` after the score, label and image."""
+    if ranges is not None:
+        return _match_ranges(dets, gts, thr, max_det, limit, ranges)
     dev, T = gts.device, thr.numel()
     score = dets.scores.to(torch.float64)
     d_key = dets.image * _SHIFT + (dets.labels + _OFFSET)
@@ -111,9 +125,12 @@ def match_batch(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int,
 
 
 def _greedy(d_box: Tensor, rank: Tensor, cell: Tensor, g_lo: Tensor, g_n: Tensor, g_box: Tensor, eff: Tensor,
-            max_det: int) -> Tensor:
+            max_det: int, g_ig: Tensor | None = None, g_crowd: Tensor | None = None) -> Any:
     """Matched bits ``(n, T)`` of ``n`` detections of cells ``0 .. C − 1`` that all hold objects (rows in cell
-    order, ranks ``0 ..`` within each), their cells' objects rows ``g_lo .. g_lo + g_n`` of ``g_box``."""
+    order, ranks ``0 ..`` within each), their cells' objects rows ``g_lo .. g_lo + g_n`` of ``g_box``.
+
+    With ``g_ig`` (``(G, A)``: object ignored in area range ``a``) and ``g_crowd`` (``(G,)``): COCO's ignore rules
+    over ``A × T`` columns (range-major); returns the matched and the ignored bits, each ``(n, A·T)``."""
     dev, T, n = d_box.device, eff.numel(), rank.numel()
     nd = torch.bincount(cell)  # detections per cell
     C = nd.numel()
@@ -132,10 +149,13 @@ def _greedy(d_box: Tensor, rank: Tensor, cell: Tensor, g_lo: Tensor, g_n: Tensor
     g_idx = lo[:, None] + cnt[:, None] - 1 - slots  # objects in reverse order: max's first is the later box
     valid = slots < cnt[:, None]  # (C, pg)
     g_cells = g_box[g_idx.clamp_min(0).clamp_max(g_box.shape[0] - 1)].to(torch.float64)  # (C, pg, 4)
+    none = torch.tensor(-2.0, dtype=torch.float64, device=dev)
+    if g_ig is not None and g_crowd is not None:
+        return _greedy_ignore(boxes, layout, hist, g_idx.clamp_min(0).clamp_max(g_box.shape[0] - 1), valid, g_cells,
+                              eff, g_ig, g_crowd, n, none)
     taken = torch.zeros(C, T, pg, dtype=torch.bool, device=dev)
     out = torch.zeros(n, T, dtype=torch.bool, device=dev)
     eff3 = eff[None, :, None]
-    none = torch.tensor(-2.0, dtype=torch.float64, device=dev)
     done = 0  # cells with at most r detections
     off = 0
     for r in range(len(hist)):
@@ -154,3 +174,100 @@ def _greedy(d_box: Tensor, rank: Tensor, cell: Tensor, g_lo: Tensor, g_n: Tensor
     res = torch.empty_like(out)
     res[layout] = out
     return res
+
+
+def _greedy_ignore(boxes: Tensor, layout: Tensor, hist: list[int], g_at: Tensor, valid: Tensor, g_cells: Tensor,
+                   eff: Tensor, g_ig: Tensor, g_crowd: Tensor, n: int, none: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_greedy`'s loop with COCO's ignore objects, every area range and threshold at once (``W = A·T``
+    columns): per step the best free regular object, else the best free ignore object (crowd ones are never used
+    up), the later of equal IoUs in each (objects padded in reverse order: ``max``'s first maximum).
+
+    One exact ``max`` picks both: an IoU in ``[0, 1]`` read as the int64 of its float64 bits keeps its order, and a
+    regular object's key adds ``2⁶²`` (above every such bit pattern), so any regular candidate beats every ignore
+    one and equal IoUs stay equal."""
+    dev = boxes.device
+    C, pg = valid.shape
+    A, T = g_ig.shape[1], eff.numel()
+    W = A * T
+    crowd = g_crowd[g_at] & valid  # (C, pg)
+    some_crowd = bool(crowd.any())  # one read: the crowd overlap only where there are crowd regions
+    ig = g_ig[g_at].permute(0, 2, 1)[:, :, None, :].expand(C, A, T, pg).reshape(C, W, pg)  # (C, W, pg)
+    bonus = (~ig).to(torch.int64) << 62  # regular objects first
+    stays = crowd[:, None, :]  # a crowd region stays free once taken
+    free = valid[:, None, :].expand(C, W, pg).clone()  # padding is never a candidate
+    eff3 = eff.repeat(A)[None, :, None]
+    slots = torch.arange(pg, device=dev)
+    hit_reg = torch.zeros(n, W, dtype=torch.bool, device=dev)
+    hit_ign = torch.zeros(n, W, dtype=torch.bool, device=dev)
+    regular = 1 << 62
+    done = off = 0
+    for r in range(len(hist)):
+        done += hist[r]
+        k = C - done
+        if k <= 0:
+            break
+        iou = tasks.paired_iou(boxes[off:off + k, None, :], g_cells[:k], crowd[:k] if some_crowd else None)
+        ok = (iou[:, None, :] >= eff3) & free[:k]  # (k, W, pg)
+        best, pick = torch.where(ok, iou.view(torch.int64)[:, None, :] + bonus[:k], -1).max(-1)  # (k, W)
+        hit = best >= 0
+        reg = best >= regular
+        free[:k] &= ~((slots == pick[..., None]) & hit[..., None]) | stays[:k]
+        hit_reg[off:off + k], hit_ign[off:off + k] = reg, hit & ~reg
+        off += k
+    out_reg, out_ign = torch.empty_like(hit_reg), torch.empty_like(hit_ign)
+    out_reg[layout], out_ign[layout] = hit_reg, hit_ign
+    return out_reg, out_ign
+
+
+def _match_ranges(dets: BoxSet, gts: BoxSet, thr: Tensor, max_det: int, limit: int,
+                  ranges: Tensor) -> tuple[Tensor, ...]:
+    """:func:`match_batch` with COCO's crowd and area-range ignore rules (see there)."""
+    dev, T, A = gts.device, thr.numel(), int(ranges.shape[0])
+    score = dets.scores.to(torch.float64)
+    d_key = dets.image * _SHIFT + (dets.labels + _OFFSET)
+    order = _stable_order(-score)
+    order = order[_stable_order(d_key[order])]
+    d_key, score = d_key[order], score[order]
+    d_img, d_lab, d_box = dets.image[order], dets.labels[order], dets.boxes[order]
+    d_rank = torch.arange(d_key.numel(), device=dev) - torch.searchsorted(d_key, d_key)
+    if d_key.numel() and max_det < d_key.numel():
+        kept = d_rank < max_det
+        d_key, score, d_img, d_lab, d_box, d_rank = (t[kept] for t in (d_key, score, d_img, d_lab, d_box, d_rank))
+    D = d_key.numel()
+    lo, hi = ranges[:, 0].to(dev, torch.float64), ranges[:, 1].to(dev, torch.float64)
+    b = d_box.to(torch.float64)
+    d_area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    outside = (d_area[:, None] < lo) | (d_area[:, None] > hi)  # (D, A): an unmatched detection there is ignored
+    matched = torch.zeros(D, A * T, dtype=torch.bool, device=dev)
+    ignored = torch.zeros(D, A * T, dtype=torch.bool, device=dev)
+    if D and len(gts):
+        g_key = gts.image * _SHIFT + (gts.labels + _OFFSET)
+        g_order = _stable_order(g_key)
+        g_key, g_box = g_key[g_order], gts.boxes[g_order]
+        crowd = (gts.crowd if gts.crowd is not None else torch.zeros(len(gts), dtype=torch.bool, device=dev))[g_order]
+        area = gts.box_area()[g_order]
+        g_ig = crowd[:, None] | (area[:, None] < lo) | (area[:, None] > hi)  # (G, A)
+        g_lo = torch.searchsorted(g_key, d_key)
+        g_n = torch.searchsorted(g_key, d_key, right=True) - g_lo
+        act = torch.nonzero(g_n > 0).squeeze(1)
+        a_rank, a_lo, a_n = d_rank[act], g_lo[act], g_n[act]
+        a_cell = torch.cumsum((a_rank == 0).to(torch.int64), 0) - 1
+        eff = thr.to(dev, torch.float64).clamp_max(1 - 1e-10)
+        width = max(A * T, 4)
+        C, pg = (int(v) for v in torch.stack([(a_rank == 0).sum(), torch.cat([a_n, a_n.new_zeros(1)]).amax()]).tolist())
+        if C:
+            first = torch.nonzero(a_rank == 0).squeeze(1)
+            counts = torch.bincount(a_cell, minlength=C).tolist() if C * pg * width > limit else [0] * C
+            spans = cell_spans(counts, a_n[first].tolist(), width, limit) if C * pg * width > limit \
+                else [(0, C, 0, 0)]
+            starts = [0]
+            for c in counts:
+                starts.append(starts[-1] + c)
+            for c0, c1, _, _ in spans:
+                r0, r1 = (starts[c0], starts[c1]) if len(spans) > 1 else (0, act.numel())
+                reg, ign = _greedy(d_box[act[r0:r1]], a_rank[r0:r1], a_cell[r0:r1] - c0, a_lo[r0:r1], a_n[r0:r1],
+                                   g_box, eff, max_det, g_ig, crowd)
+                matched[act[r0:r1]], ignored[act[r0:r1]] = reg, ign
+    matched, ignored = matched.reshape(D, A, T), ignored.reshape(D, A, T)
+    ignored |= ~matched & ~ignored & outside[:, :, None]
+    return score, d_lab, d_img, matched, ignored

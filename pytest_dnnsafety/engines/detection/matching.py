@@ -1,8 +1,19 @@
 """Detection quality: COCO mean average precision and recall per scenario group, with bootstrap bounds.
 
 The protocol is COCO's bounding-box evaluation (Lin et al. 2014, "Microsoft COCO: Common Objects in
-Context"), reproduced as pycocotools' ``COCOeval`` computes it (area range ``all``, no crowd
-annotations), so the numbers equal pycocotools' to floating-point rounding:
+Context"), reproduced as pycocotools' ``COCOeval`` computes it, crowd regions and area ranges included, so
+the numbers equal pycocotools' to floating-point rounding:
+
+* **ignore rules**: a crowd object (``iscrowd``, :attr:`~pytest_dnnsafety.data.tasks.BoxSet.crowd`) is an "ignore"
+  object, and so is, in area range ``small`` (area < 32²), ``medium`` (32²–96²) or ``large`` (> 96²), an object
+  whose area (COCO's annotation ``area``, else the box's) lies outside it (:data:`AREA_RANGES`, bounds inclusive). A
+  detection takes a regular object when one is free at ``t``; only if none is, the best ignore object (a crowd
+  region's overlap is the intersection over the *detection's* area, and it may take any number of detections),
+  and is then ignored: neither a true nor a false positive. An unmatched detection whose box area lies outside
+  the range is ignored too. Every range is matched in the same pass
+  (:func:`~pytest_dnnsafety.engines.detection.greedy.match_batch` with ``ranges``);
+  :meth:`BoxMatchEngine.area_maps` reads COCOeval's ``stats[3:6]`` (NaN where a range holds no object, where
+  COCOeval prints −1);
 
 * **matching** (``evaluateImg``), per image and class: the detections sorted by score, descending,
   with a stable sort, at most ``max_detections`` of them (pycocotools caps per image *and class*);
@@ -75,7 +86,8 @@ from pytest_dnnsafety.engines.detection.greedy import (
 from pytest_dnnsafety.errors import ConfigError, MetricError
 from pytest_dnnsafety.runtime import allocator, progress, threads
 
-__all__ = ["COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall", "average_precision"]
+__all__ = ["AREA_RANGES", "COCO_IOU_THRESHOLDS", "RECALL_POINTS", "BoxMatchEngine", "GroupMAP", "GroupRecall",
+           "average_precision"]
 
 
 def _linspace(start: float, stop: float, num: int) -> Tensor:
@@ -87,6 +99,11 @@ def _linspace(start: float, stop: float, num: int) -> Tensor:
 
 #: pycocotools' ``iouThrs``: 0.50, 0.55, …, 0.95.
 COCO_IOU_THRESHOLDS = _linspace(0.5, 0.95, 10)
+#: COCO's area ranges (pycocotools' ``areaRng``, ``[lo, hi]`` inclusive): an object whose area lies outside is an
+#: "ignore" object of the range, and so is an unmatched detection whose box area does.
+AREA_RANGES = {"all": (0.0, 1e5 ** 2), "small": (0.0, 32.0 ** 2), "medium": (32.0 ** 2, 96.0 ** 2),
+               "large": (96.0 ** 2, 1e5 ** 2)}
+_RANGES = torch.tensor(list(AREA_RANGES.values()), dtype=torch.float64)
 #: pycocotools' ``recThrs``: 0.00, 0.01, …, 1.00.
 RECALL_POINTS = _linspace(0.0, 1.0, 101)
 _EPS = 2.220446049250313e-16  # np.spacing(1)
@@ -114,12 +131,13 @@ class BoxMatchEngine(Engine):
     """
 
     def __init__(self, iou_thresholds: Any = COCO_IOU_THRESHOLDS, max_detections: int = 100,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, area_ranges: bool = True) -> None:
         super().__init__(device)
         if isinstance(max_detections, bool) or not isinstance(max_detections, int) or max_detections < 1:
             raise ConfigError(f"max_detections must be a positive int, got {max_detections!r}")
         self.thresholds = _check_thresholds(iou_thresholds)
         self.max_detections = max_detections
+        self.area_ranges = bool(area_ranges)
         T = self.thresholds.numel()
         int64 = torch.int64
         self.add_state("det_score", torch.zeros(0, dtype=torch.float64), "cat")
@@ -128,11 +146,19 @@ class BoxMatchEngine(Engine):
         self.add_state("det_matched", torch.zeros(0, T, dtype=torch.bool), "cat")
         self.add_state("gt_image", torch.zeros(0, dtype=int64), "cat")
         self.add_state("gt_class", torch.zeros(0, dtype=int64), "cat")
+        # COCO's ignore rules (crowd regions, area ranges): the detections ignored at each threshold (range all),
+        # matched / ignored per small, medium, large range, and each object's crowd flag and area
+        self.add_state("det_ignored", torch.zeros(0, T, dtype=torch.bool), "cat")
+        self.add_state("det_range_matched", torch.zeros(0, 3, T, dtype=torch.bool), "cat")
+        self.add_state("det_range_ignored", torch.zeros(0, 3, T, dtype=torch.bool), "cat")
+        self.add_state("gt_crowd", torch.zeros(0, dtype=torch.bool), "cat")
+        self.add_state("gt_area", torch.zeros(0, dtype=torch.float64), "cat")
         self.add_state("image_count", torch.zeros((), dtype=int64), "max")
         self._next = 0  # the default start of the next batch (host side, no sync)
 
     def config(self) -> dict[str, Any]:
-        return {"iou_thresholds": self.thresholds.tolist(), "max_detections": self.max_detections}
+        return {"iou_thresholds": self.thresholds.tolist(), "max_detections": self.max_detections,
+                "area_ranges": self.area_ranges}
 
     def reset(self) -> None:
         super().reset()
@@ -156,8 +182,23 @@ class BoxMatchEngine(Engine):
         self._next = start + targets.n_images
         dev = targets.device
         dets = detections.to(dev)
+        T = self.thresholds.numel()
         with threads.host_bound():  # many small kernels driven from Python: one thread (runtime.threads)
-            score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
+            if self.area_ranges or targets.crowd is not None:  # COCO's ignore rules: every range at once
+                ranges = _RANGES if self.area_ranges else _RANGES[:1]
+                score, label, image, both, ignored = match_batch(dets, targets, self.thresholds.to(dev),
+                                                                 self.max_detections, MATCH_CHUNK_ELEMENTS, ranges)
+                matched, ign = both[:, 0], ignored[:, 0]
+                if self.area_ranges:
+                    self.append_state("det_range_matched", both[:, 1:])
+                    self.append_state("det_range_ignored", ignored[:, 1:])
+            else:
+                score, label, image, matched = _match(dets, targets, self.thresholds.to(dev), self.max_detections)
+                ign = torch.zeros(matched.shape[0], T, dtype=torch.bool, device=dev)
+        self.append_state("det_ignored", ign)
+        self.append_state("gt_crowd", targets.crowd if targets.crowd is not None
+                          else torch.zeros(len(targets), dtype=torch.bool, device=dev))
+        self.append_state("gt_area", targets.box_area())
         self.append_state("det_score", score)
         self.append_state("det_class", label)
         self.append_state("det_image", image + start)
@@ -169,11 +210,73 @@ class BoxMatchEngine(Engine):
 
     def records(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """All batches' records, detections ordered by image (stably): detection score, class, image,
-        matched ``(D, T)``; object image, class."""
+        matched ``(D, T)``; object image, class (the objects COCO counts: crowd regions left out)."""
+        score, label, image, matched, _, gimage, glabel = self._records("all")
+        return score, label, image, matched, gimage, glabel
+
+    def _records(self, area: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+        """:meth:`records` of area range ``area``, with the detections counted ``(D, T)`` (None: all of them)."""
+        if area not in AREA_RANGES:
+            raise ConfigError(f"area must be one of {list(AREA_RANGES)}, got {area!r}")
         image = self.det_image
         order = torch.sort(image, stable=True).indices
-        return (self.det_score[order], self.det_class[order], image[order], self.det_matched[order],
-                self.gt_image, self.gt_class)
+        if area == "all":
+            matched, ignored = self.det_matched, self.det_ignored
+        elif not self.area_ranges:
+            raise ConfigError(f"area={area!r}: this matching did not record COCO's area ranges (area_ranges=False)")
+        else:
+            j = list(AREA_RANGES).index(area) - 1
+            matched, ignored = self.det_range_matched[:, j], self.det_range_ignored[:, j]
+        counted = ~ignored[order] if bool(ignored.any()) else None
+        keep = ~self.gt_crowd
+        if self.area_ranges or area != "all":
+            lo, hi = AREA_RANGES[area]
+            keep = keep & (self.gt_area >= lo) & (self.gt_area <= hi)
+        return (self.det_score[order], self.det_class[order], image[order], matched[order], counted,
+                self.gt_image[keep], self.gt_class[keep])
+
+    def area_maps(self, images: Tensor | None = None, columns: Sequence[int] | None = None) -> dict[str, float]:
+        """COCO's mAP of the small, medium and large area ranges of ``images`` (``stats[3:6]``; NaN where the
+        range holds no object): :meth:`evaluate` with ``area=`` each (no bootstrap), the records sorted once."""
+        if not self.area_ranges:
+            raise ConfigError("area_maps: this matching did not record COCO's area ranges (area_ranges=False)")
+        names = list(AREA_RANGES)[1:]
+        with threads.host_bound():
+            cols = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
+            rows = torch.sort(self.det_image, stable=True).indices  # the records' order, then the kept images
+            keep = self._image_mask(images)
+            gimage, glabel, garea, gcrowd = self.gt_image, self.gt_class, self.gt_area, self.gt_crowd
+            if images is not None:
+                rows = rows[keep[self.det_image[rows].cpu()].to(rows.device)]
+                gt_in = keep[gimage.cpu()].to(gimage.device)
+                gimage, glabel, garea, gcrowd = gimage[gt_in], glabel[gt_in], garea[gt_in], gcrowd[gt_in]
+            score, label, image = self.det_score[rows], self.det_class[rows], self.det_image[rows]
+            members = torch.nonzero(keep).reshape(-1)
+            local = torch.full((self.n_images,), -1, dtype=torch.int64)
+            local[members] = torch.arange(members.numel())
+            image, gimage = local[image.cpu()].to(score.device), local[gimage.cpu()].to(score.device)
+            n_img = int(members.numel())
+            classes = torch.unique(torch.cat([label, glabel]).cpu())  # a class without objects in a range: NaN
+            K = int(classes.numel())
+            cls = torch.searchsorted(classes, label.cpu()).to(score.device)
+            gcls = torch.searchsorted(classes, glabel.cpu()).to(score.device)
+            order = _class_score_order(cls, score)
+            cls, image, rows = cls[order], image[order], rows[order]
+            matched, counted = self.det_range_matched[rows], ~self.det_range_ignored[rows]  # (D, 3, T): one gather
+            if cols != list(range(self.thresholds.numel())):
+                matched, counted = matched[:, :, cols], counted[:, :, cols]
+            bounds = torch.searchsorted(cls.cpu(), torch.arange(K + 1)).tolist()
+            ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
+            out = {}
+            for j, name in enumerate(names):
+                lo, hi = AREA_RANGES[name]
+                kept = ~gcrowd & (garea >= lo) & (garea <= hi)
+                gt_counts = torch.zeros(n_img, max(K, 1), dtype=torch.float64, device=score.device)
+                gt_counts.index_put_((gimage[kept], gcls[kept]), torch.ones_like(gimage[kept], dtype=torch.float64),
+                                     accumulate=True)
+                out[name] = _mean_map(average_precision(matched[:, j], image, bounds, gt_counts, ones,
+                                                        counted[:, j])[0])
+        return out
 
     def compute(self) -> "GroupMAP":
         """mAP of every image seen (no bootstrap): :meth:`evaluate` with its defaults."""
@@ -182,19 +285,22 @@ class BoxMatchEngine(Engine):
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, images: Tensor | None = None, *, bootstrap: int = 0, confidence: float = 0.95,
                  generator: torch.Generator | None = None, columns: Sequence[int] | None = None,
-                 method: str = DEFAULT_METHOD) -> "GroupMAP":
+                 method: str = DEFAULT_METHOD, area: str = "all") -> "GroupMAP":
         """mAP (and per-class AP) of the images ``images`` (a bool mask or indices; default all), with a
         bootstrap over those images when ``bootstrap`` > 0 whose lower bound is read by ``method``
         (:data:`~pytest_dnnsafety.engines.detection.bootstrap.BOUND_METHODS`; see the module docstring).
         ``columns``: the thresholds (indices into ``thresholds``) averaged over (default all; each
-        threshold's matching is independent of the others, so a subset is that subset's mAP)."""
+        threshold's matching is independent of the others, so a subset is that subset's mAP). ``area``: COCO's area
+        range (:data:`AREA_RANGES`; objects and unmatched detections outside it are ignored, as crowd regions are)."""
         with threads.host_bound():  # the point estimate: sorts and small per-class kernels, one thread
-            score, label, image, matched, gimage, glabel = self.records()
+            score, label, image, matched, counted, gimage, glabel = self._records(area)
             columns = list(range(self.thresholds.numel())) if columns is None else [int(c) for c in columns]
             matched = matched[:, columns]
+            counted = None if counted is None else counted[:, columns]
             keep = self._image_mask(images)
             det_in, gt_in = keep[image.cpu()].to(score.device), keep[gimage.cpu()].to(gimage.device)
             score, label, image, matched = score[det_in], label[det_in], image[det_in], matched[det_in]
+            counted = None if counted is None else counted[det_in]
             gimage, glabel = gimage[gt_in], glabel[gt_in]
             members = torch.nonzero(keep).reshape(-1)
             local = torch.full((self.n_images,), -1, dtype=torch.int64)
@@ -209,9 +315,10 @@ class BoxMatchEngine(Engine):
             gt_counts.index_put_((gimage, gcls), torch.ones_like(gimage, dtype=torch.float64), accumulate=True)
             order = _class_score_order(cls, score)
             cls, score, image, matched = cls[order], score[order], image[order], matched[order]
+            counted = None if counted is None else counted[order]
             bounds = torch.searchsorted(cls.cpu(), torch.arange(K + 1)).tolist()
             ones = torch.ones(1, n_img, dtype=torch.float64, device=score.device)
-            ap = average_precision(matched, image, bounds, gt_counts, ones)[0]  # (K, T), NaN without GT
+            ap = average_precision(matched, image, bounds, gt_counts, ones, counted)[0]  # (K, T), NaN without GT
             point = _mean_map(ap)
         lower = upper = replicates = jackknife = halves = None
         if bootstrap:
@@ -224,18 +331,21 @@ class BoxMatchEngine(Engine):
                 for first in range(0, bootstrap, chunk):
                     b = min(chunk, bootstrap - first)
                     weights = _multinomial_weights(b, n_img, gen).to(score.device)
-                    maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights), fill=0.0))
+                    maps.append(_mean_map(average_precision(matched, image, bounds, gt_counts, weights, counted),
+                                          fill=0.0))
                     progress.tick(first + b, bootstrap, "bootstrap replicates")
                     allocator.release()  # the chunk's freed blocks back to the system: the peak stays one chunk
                 groups = jackknife_groups(n_img)  # the jackknife's and half-subsets' weights, a chunk at a time too
                 for first in range(0, groups, chunk):
                     rows = range(first, min(first + chunk, groups))
                     jks.append(_mean_map(average_precision(matched, image, bounds, gt_counts,
-                                                           jackknife_weights(n_img, rows=rows).to(score.device)),
+                                                           jackknife_weights(n_img, rows=rows).to(score.device),
+                                                           counted),
                                          fill=0.0))
                 for first in range(0, HALF_SUBSETS, chunk):
                     half = half_weights(n_img, gen, count=min(chunk, HALF_SUBSETS - first)).to(score.device)
-                    subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half), fill=0.0))
+                    subs.append(_mean_map(average_precision(matched, image, bounds, gt_counts, half, counted),
+                                          fill=0.0))
                     allocator.release()
                 replicates = torch.cat(maps).cpu()
                 jackknife = torch.cat(jks).cpu()
@@ -399,12 +509,13 @@ def _class_score_order(cls: Tensor, score: Tensor) -> Tensor:
 
 
 def average_precision(matched: Tensor, image: Tensor, bounds: Sequence[int], gt_counts: Tensor,
-                      weights: Tensor) -> Tensor:
+                      weights: Tensor, counted: Tensor | None = None) -> Tensor:
     """AP per replicate, class and threshold, ``(B, K, T)`` (NaN where a class has no ground truth).
 
     ``matched`` ``(D, T)`` and ``image`` ``(D,)`` are the records sorted by class then score
     (class ``k`` is rows ``bounds[k]:bounds[k + 1]``); ``gt_counts`` ``(n_images, K)``; ``weights``
-    ``(B, n_images)`` the number of times each image is counted (1: the data as it is).
+    ``(B, n_images)`` the number of times each image is counted (1: the data as it is); ``counted`` ``(D, T)``:
+    the detections that are true or false positives (None: all; COCO's ignored ones are neither).
     """
     B, T = weights.shape[0], matched.shape[1]
     K = len(bounds) - 1
@@ -423,7 +534,10 @@ def average_precision(matched: Tensor, image: Tensor, bounds: Sequence[int], gt_
         # dimension, and at most :data:`AP_LIVE_TENSORS` (B, T, n) float64 tensors are alive at once.
         tp = w[:, None, :] * matched[lo:hi].T.to(torch.float64).contiguous()[None]  # (B, T, n), contiguous
         tp = tp.cumsum_(-1)  # integer sums, exact in float64
-        seen = w.cumsum(-1)[:, None, :].add_(_EPS)  # (B, 1, n): the (weighted) detections so far, + eps as COCO
+        if counted is None:
+            seen = w.cumsum(-1)[:, None, :].add_(_EPS)  # (B, 1, n): the (weighted) detections so far, + eps as COCO
+        else:  # (B, T, n): the true and false positives so far (ignored detections are neither)
+            seen = (w[:, None, :] * counted[lo:hi].T.to(torch.float64)[None]).cumsum_(-1).add_(_EPS)
         rc = tp / n_pos[:, None, None].clamp_min(1)
         pr = tp.div_(seen).flip(-1)  # tp is precision now; flipped (a copy): the envelope is a running maximum
         del tp

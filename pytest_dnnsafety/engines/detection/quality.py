@@ -26,6 +26,7 @@ at all is an error. Pure torch, no pytest import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -72,6 +73,7 @@ class QualityOptions:
     score_threshold: float = 0.5
     per_class: bool = True
     method: str = DEFAULT_METHOD
+    area: str = "all"
 
     @classmethod
     def of(cls, options: Mapping[str, Any], *, marker: str, seed: int) -> QualityOptions:
@@ -176,6 +178,30 @@ def _sort_groups(engine: BoxMatchEngine, groups: Any, opts: QualityOptions, what
 
 # ------------------------------------------------------------------------------------- the gates' readings
 
+#: COCO's area ranges as the details name them.
+AREA_TEXT = "small: area < 32², medium: 32² to 96², large: > 96² (COCO's annotation area; crowd regions ignored)"
+NO_OBJECTS = "no objects in this range"
+
+
+def _area_rows(engine: BoxMatchEngine, mask: Tensor, columns: list[int]) -> dict[str, Any]:
+    """A group's mAP per COCO area range (point estimates): ``area_map`` (None and a note where the range holds no
+    object) and ``coco_area_stats``, COCOeval's ``stats[3:6]`` as pycocotools prints them (−1: no object)."""
+    if not engine.area_ranges:
+        return {}
+    maps = engine.area_maps(mask, columns)
+    return {"area_map": {k: (None if math.isnan(v) else v) for k, v in maps.items()},
+            "area_notes": {k: NO_OBJECTS for k, v in maps.items() if math.isnan(v)},
+            "coco_area_stats": [-1.0 if math.isnan(v) else v for v in maps.values()]}
+
+
+def _area_text(row: Mapping[str, Any]) -> str:
+    if "area_map" not in row:
+        return ""
+    parts = [f"{k} {'—' if v is None else f'{v:.3f}'}" for k, v in row["area_map"].items()]
+    notes = [k for k in row["area_map"] if row["area_map"][k] is None]
+    return ("; its mAP by area: " + ", ".join(parts)
+            + (f" ({', '.join(notes)}: {NO_OBJECTS})" if notes else ""))
+
 
 def worst_map(engine: BoxMatchEngine, groups: Any, columns: list[int], opts: QualityOptions) -> Measurement:
     """The worst group's COCO mAP at the ``columns`` thresholds: its bootstrap lower bound (or its estimate, with
@@ -183,20 +209,32 @@ def worst_map(engine: BoxMatchEngine, groups: Any, columns: list[int], opts: Qua
     assessable, problems, small = _sort_groups(engine, groups, opts, "mAP")
     check_work(opts.marker, opts.bootstrap, engine.records()[0].numel() * len(columns) + engine.n_images,
                "the detections × IoU thresholds and images")
-    rows = []
+    rows, empty = [], []
     for g, (label, mask) in enumerate(assessable):
         res = engine.evaluate(mask, bootstrap=opts.bootstrap, confidence=opts.confidence,
-                              generator=opts.generator(g), columns=columns, method=opts.method)
+                              generator=opts.generator(g), columns=columns, method=opts.method, area=opts.area)
+        if math.isnan(res.map):  # area='small' etc.: no object of the group lies in the range
+            empty.append(label)
+            continue
         rows.append({"group": label, "map": res.map, "map50": res.map50, "lower": res.lower, "upper": res.upper,
                      "images": res.images, "objects": res.objects, "detections": res.detections,
-                     "class_ap": {str(c): v for c, v in res.class_ap().items()}})
+                     "class_ap": {str(c): v for c, v in res.class_ap().items()}, **_area_rows(engine, mask, columns)})
+    if empty:
+        problems.append(f"{len(empty)} group(s) hold no object of area range {opts.area!r}, so their mAP there is "
+                        f"undefined: {', '.join(empty[:10])}. Fix: add annotated images with such objects, or gate "
+                        "another range")
+    if not rows:
+        raise MetricError(f"{opts.marker}: no group holds an object of area range {opts.area!r} ({AREA_TEXT}); "
+                          "nothing to assess. Fix: gate area='all' or add images with such objects")
     key = "lower" if opts.statistic == "bound" else "map"
     worst = min(rows, key=lambda r: (r[key], r["map"]))
     iou = "@[.5:.95]" if is_coco_range(opts.iou) else f"@{float(opts.iou):g}"
-    detail = (f"worst group {worst['group']}: mAP{iou} {worst['map']:.3f}, {opts.bound_text(worst['lower'])} "
+    scope = "" if opts.area == "all" else f" (area range {opts.area})"
+    detail = (f"worst group {worst['group']}: mAP{iou}{scope} {worst['map']:.3f}, {opts.bound_text(worst['lower'])} "
               f"({worst['images']} images, {worst['objects']} objects, {opts.bootstrap} replicates); "
-              f"{len(rows)} group(s) assessed")
-    details = {"iou": str(opts.iou), "statistic": opts.statistic, "confidence": opts.confidence,
+              f"{len(rows)} group(s) assessed" + _area_text(worst))
+    details = {"iou": str(opts.iou), "area": opts.area, "area_ranges": AREA_TEXT, "statistic": opts.statistic,
+               "confidence": opts.confidence,
                "bootstrap": opts.bootstrap, "method": opts.method, "bound": method_text(opts.method),
                "bound_kind": "estimate", "by": list(groups.by), "max_detections": opts.max_detections, "min_images": opts.min_images,
                "worst_group": worst["group"], "small_groups": small, "map_groups": rows}
