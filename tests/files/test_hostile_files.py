@@ -546,7 +546,7 @@ DAMAGED = {
                                           "model", (NOT_VALID_MODEL + "a damaged zip archive", "CRC")),
     "model_npz_renamed_to_pt": Damaged(_npz_renamed_pt, "model", (NOT_VALID_MODEL + "a NumPy .npz archive",)),
     "model_unknown_suffix_onnx": Damaged(_raw("model.onnx", random_bytes()), "model",
-                                         ("model.onnx is not a valid model file", "suffix '.onnx' is not a PyTorch")),
+                                         ("model.onnx is not a valid ONNX model file", "protobuf bytes are malformed")),
     "pt2_random_bytes": Damaged(_raw("model.pt2", random_bytes()), "model",
                                 ("model.pt2 is not a valid torch.export program (.pt2) file: found 2048 bytes",)),
     "pt2_zip_that_is_not_an_export_archive": Damaged(_pt2_from_zip, "model",

@@ -18,7 +18,9 @@ one pass, and a pass captures every layer that gates of the session are known to
 (the plan, collected from the markers), so two gates on two layers also cost one pass. The same
 pass also keeps the model's outputs (:class:`ModelOutputs`: predicted class, softmax confidence
 and the data's labels per input), which :meth:`ActivationCache.outputs` serves to the gates that
-need only predictions (per-scenario accuracy, weighted confusion) without a pass of their own.
+need only predictions (per-scenario accuracy, weighted confusion) without a pass of their own. When the
+model is :class:`~pytest_dnnsafety.files.predictions.RecordedPredictions` (outputs recorded elsewhere), its rows
+are those outputs (:mod:`.recorded`): no forward pass at all.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch import Tensor
 from pytest_dnnsafety.data.forms import known_length
 from pytest_dnnsafety.errors import ConfigError, DataError, DnnSafetyError, MetricError
 from pytest_dnnsafety.data.tasks import BoxSet
+from pytest_dnnsafety.files.predictions import RecordedPredictions
 from pytest_dnnsafety.files.pt2_taps import ACTIVATIONS_FROM, graph_layers, is_exported_module, layer_outputs, tapped_forward
+from pytest_dnnsafety.files.onnx_model import ACTIVATIONS_FROM as ONNX_ACTIVATIONS_FROM, is_onnx_model
 
 __all__ = ["LayerActivations", "ModelOutputs", "ActivationCache", "capture", "check_layers", "layer_names",
            "activations_from", "REDUCTIONS"]
@@ -130,12 +134,16 @@ def layer_names(model: torch.nn.Module) -> list[str]:
     """The names a gate's ``layer=`` may take: ``named_modules()``, or a torch.export program's graph modules."""
     if is_exported_module(model):
         return list(graph_layers(model).names)
+    if is_onnx_model(model):  # an ONNX graph's node output names
+        return model.layer_names()
     return [name for name, _ in model.named_modules() if name]
 
 
 def activations_from(model: Any) -> dict[str, str]:
     """The evidence detail of a gate that read layers of ``model``: ``{"activations_from": "exported graph nodes"}``
     for a torch.export program (its layers were read from the deployed graph's nodes), else nothing."""
+    if is_onnx_model(model):
+        return {"activations_from": ONNX_ACTIVATIONS_FROM}
     return {"activations_from": ACTIVATIONS_FROM} if is_exported_module(model) else {}
 
 
@@ -188,6 +196,9 @@ def _resolve_layers(model: Any, layers: Sequence[str]) -> dict[str, torch.nn.Mod
         _check_hooks_work(model, layers[0])
     if is_exported_module(model):  # read from the graph's nodes (capture taps them): no modules to hook
         layer_outputs(model, layers)
+        return {}
+    if is_onnx_model(model):  # read as extra outputs of the ONNX graph (capture taps them)
+        model.check_layers(layers)
         return {}
     modules = dict(model.named_modules())
     unknown = [layer for layer in layers if layer not in modules or not layer]
@@ -259,6 +270,8 @@ def capture(
 
     modules = _resolve_layers(model, layers)
     tapped = tapped_forward(model, list(dict.fromkeys(layers))) if layers and is_exported_module(model) else None
+    if layers and is_onnx_model(model):  # the ONNX graph with the layers as extra outputs: one run
+        tapped = model.tapped(list(dict.fromkeys(layers)))
     if shard is None and batches is not None:
         shard = _batch_range(data, batch_size, batches)
     what = WHAT if layers else OUTPUTS_WHAT
@@ -476,6 +489,10 @@ class ActivationCache:
         data was refused) fails every gate that needs one of its layers with the same error: the
         error is cached for all of the pass's layers, and the pass is not retried per gate.
         """
+        if isinstance(model, RecordedPredictions):  # a file of outputs: no layers (the evaluation refuses earlier)
+            from pytest_dnnsafety.engines.core.recorded import refuse_layers
+
+            raise refuse_layers(model, layers)
         pair = self._key(model, data, shard)
         for layer in layers:
             if (*pair, layer) in self._errors:
@@ -502,6 +519,16 @@ class ActivationCache:
             return self._outputs[pair]
         if (*pair, "") in self._errors:
             raise self._errors[(*pair, "")]
+        if isinstance(model, RecordedPredictions):  # recorded outputs: served as the pass's, no forward pass
+            from pytest_dnnsafety.engines.core.recorded import recorded_outputs
+
+            try:
+                self._outputs[pair] = ModelOutputs(**recorded_outputs(model, data, device=device, batch_size=batch_size,
+                                                                      shard=shard))
+            except DnnSafetyError as exc:
+                self._errors[(*pair, "")] = exc
+                raise
+            return self._outputs[pair]
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"the model is a {type(model).__name__}, not a torch.nn.Module. Fix: give a "
                               f"torch.nn.Module as the `model` fixture.")

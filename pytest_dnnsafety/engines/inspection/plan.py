@@ -41,6 +41,7 @@ def check_layer(model: Any, layer: str, marker: str) -> None:
     """ConfigError naming the layer and the closest names when ``model`` has no such submodule."""
     from pytest_dnnsafety.engines.core.capture import layer_names  # a torch.export program's: its graph's modules
     from pytest_dnnsafety.files.pt2_taps import is_exported_module
+    from pytest_dnnsafety.files.onnx_model import is_onnx_model
 
     if not callable(getattr(model, "named_modules", None)):
         return  # the cache names the problem (not a torch.nn.Module)
@@ -52,6 +53,8 @@ def check_layer(model: Any, layer: str, marker: str) -> None:
     shown = ", ".join(names[:40]) + (", …" if len(names) > 40 else "")
     where = ("the torch.export program's graph runs no module of that name. Fix: use a name from the exported "
              "graph's modules (as in the eager model's named_modules())" if is_exported_module(model) else
+             "the ONNX graph has no tensor of that name. Fix: use a node output name of the graph"
+             if is_onnx_model(model) else
              "the model has no such submodule. Fix: use a name from model.named_modules()")
     raise ConfigError(f"{marker}: unknown layer {layer!r}{hint}: {where}: {shown}")
 
