@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from pytest_dnnsafety.gates.hookspecs import hookimpl
     from pytest_dnnsafety.engines.core.guard import ForwardGuard
     from pytest_dnnsafety.data.tasks import BoxSet, DetectionData, detection_collate
+    from pytest_dnnsafety.files.coco import CocoDetectionData, from_coco
+    from pytest_dnnsafety.files.onnx_model import OnnxModel
+    from pytest_dnnsafety.files.predictions import RecordedPredictions
     from pytest_dnnsafety.engines.core.capture import ActivationCache, capture
     from pytest_dnnsafety.engines.neurons.kactivation import NeuronKActivationEngine
     from pytest_dnnsafety.engines.neurons.patterns import NeuronPatternEngine
@@ -105,6 +108,10 @@ __all__ = [
     "BoxSet",
     "DetectionData",
     "detection_collate",
+    "CocoDetectionData",
+    "from_coco",
+    "OnnxModel",
+    "RecordedPredictions",
     "ODIN",
     "Energy",
     "OutsideTheBox",
@@ -153,6 +160,10 @@ _LAZY = {
     "BoxSet": "pytest_dnnsafety.data.tasks",
     "DetectionData": "pytest_dnnsafety.data.tasks",
     "detection_collate": "pytest_dnnsafety.data.tasks",
+    "CocoDetectionData": "pytest_dnnsafety.files.coco",
+    "from_coco": "pytest_dnnsafety.files.coco",
+    "OnnxModel": "pytest_dnnsafety.files.onnx_model",
+    "RecordedPredictions": "pytest_dnnsafety.files.predictions",
     "ODIN": "pytest_dnnsafety.engines.monitors",
     "Energy": "pytest_dnnsafety.engines.monitors",
     "OutsideTheBox": "pytest_dnnsafety.engines.monitors",

@@ -80,14 +80,30 @@ _SETTING_LIST = [
         "set dnnsafety_model in your pytest ini options, or define a `model` fixture in conftest.py",
     ),
     Setting(
+        "predictions", "path", None,
+        "outputs recorded elsewhere (e.g. on the target), standing in for the model in the gates that read only "
+        "outputs on dnnsafety_data: class scores or logits as .npy/.npz (one row per evaluation sample, in the "
+        "data's order) or detections as a COCO results .json; the other gates run dnnsafety_model (refused without "
+        "one)",
+        "set dnnsafety_predictions to a .npy/.npz of (N, classes) scores or a COCO results .json recorded on "
+        "dnnsafety_data",
+    ),
+    Setting(
         "model_factory", "source", None,
         "'package.module:callable' building the untrained module that a state-dict model file is loaded into",
         "set dnnsafety_model_factory = 'package.module:build_model'",
     ),
     Setting(
         "data", "source", None,
-        "labelled evaluation data: .npz (keys x, y), .npy (x only), .pt (tensor or dict) or 'package.module:load'",
+        "labelled evaluation data: .npz (keys x, y), .npy (x only), .pt (tensor or dict), a COCO annotations .json "
+        "(detection; images from dnnsafety_images) or 'package.module:load'",
         "set dnnsafety_data in your pytest ini options, or define a `dataset` fixture in conftest.py",
+    ),
+    Setting(
+        "images", "path", None,
+        "the folder of the images a COCO annotations file (dnnsafety_data = \"annotations.json\") names by "
+        "file_name: .npy arrays, or PNG/JPEG with Pillow (default: the annotations file's folder)",
+        "set dnnsafety_images to the folder that holds the annotations' file_name entries",
     ),
     Setting(
         "scenarios", "source", None,
@@ -168,6 +184,14 @@ _SETTING_LIST = [
     Setting("allow_pickle", "bool", False,
             "allow loading model files that are arbitrary pickles (unsafe: runs code from the file)",
             "use true only for model files you trust; prefer TorchScript, torch.export or a state dict"),
+    Setting("onnx_external_data", "bool", False,
+            "allow an .onnx model whose tensors keep their data in other files (only relative paths inside the "
+            "model's folder; read by the plugin and inlined)",
+            "use true only for ONNX models you trust whose data files lie in the model's folder"),
+    Setting("onnx_custom_domains", "bool", False,
+            "allow an .onnx model that uses custom-operator domains (other than ai.onnx and ai.onnx.ml); "
+            "onnxruntime can load libraries for custom operators",
+            "use true only for ONNX models you trust; prefer standard ONNX operators"),
     Setting("html", "path", None,
             "write a self-contained HTML report of the gates (cards, plots) to this path; "
             "needs the optional extra: pip install 'pytest-dnnsafety[html]'",

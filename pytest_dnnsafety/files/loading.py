@@ -136,12 +136,14 @@ def call_factory(
 
 #: What each file setting must point at, for "is a directory" and "not valid" messages.
 _FILE_KINDS = {
-    "model": "a model file: a TorchScript archive (torch.jit.save), a torch.export program (.pt2) "
-             "or a state dict (.pt/.pth, with dnnsafety_model_factory)",
+    "model": "a model file: a TorchScript archive (torch.jit.save), a torch.export program (.pt2), "
+             "an ONNX model (.onnx, with the [onnx] extra) or a state dict (.pt/.pth, with dnnsafety_model_factory)",
     "data": "a data file: .npz (keys x, y), .npy (x only) or .pt/.pth (a tensor or a dict of tensors)",
     "operational_data": "a data file: .npz (key x), .npy or .pt/.pth (a tensor or a dict of tensors)",
     "scenarios": "a CSV file with one row per evaluation sample",
     "conditions": "a TOML file with a [conditions] table",
+    "predictions": "a file of recorded predictions: .npy/.npz class scores (one row per evaluation sample) or a COCO "
+                   "results .json",
 }
 
 
@@ -213,6 +215,11 @@ def _load_model_file(path: Path, resolved: Resolved, settings: Settings, factory
     """Load a model file by what its bytes are; the model and whether it is a torch.export program."""
     where = f"dnnsafety_model={resolved.value!r} (from {resolved.source})"
     allow_pickle = bool(settings.value("allow_pickle"))
+    if path.suffix.lower() == ".onnx":  # the suffix decides: ONNX has no magic bytes (plain protobuf)
+        from pytest_dnnsafety.files.onnx_model import OnnxModel  # onnxruntime imported lazily, for .onnx only
+
+        return OnnxModel.from_file(path, where, allow_external=bool(settings.value("onnx_external_data")),
+                                   allow_custom_domains=bool(settings.value("onnx_custom_domains"))), False
     is_pt2 = path.suffix.lower() == ".pt2"
     expected = "torch.export program (.pt2)" if is_pt2 else "model"
     fix = _EXPORT_FIX if is_pt2 else _MODEL_FIX
@@ -237,7 +244,7 @@ def _load_model_file(path: Path, resolved: Resolved, settings: Settings, factory
     except NotValid as exc:
         suffix = path.suffix.lower()
         note = (f" (the suffix {suffix!r} is not a PyTorch model format)"
-                if suffix not in (".pt", ".pth", ".pt2", ".ts", ".jit", ".zip", ".bin") else "")
+                if suffix not in (".pt", ".pth", ".pt2", ".onnx", ".ts", ".jit", ".zip", ".bin") else "")
         raise ModelLoadError(
             f"{where}: {path.name} is not a valid {expected} file: found {exc}{note}. {fix}"
         ) from None
@@ -477,7 +484,8 @@ def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation
     ``y`` is ``(N,)`` class indices, or a ``(N, classes)`` 0/1 matrix for a multi-label task. Detection
     data (keys ``x``, ``boxes``, ``labels``, ``offsets``: image i's objects are rows
     ``offsets[i]:offsets[i+1]`` of ``boxes`` ``(M, 4)`` and ``labels`` ``(M,)``) come back as a
-    :class:`~pytest_dnnsafety.data.tasks.DetectionData`.
+    :class:`~pytest_dnnsafety.data.tasks.DetectionData`; a COCO annotations ``.json`` as a
+    :class:`~pytest_dnnsafety.files.coco.CocoDetectionData` (its images read lazily from ``dnnsafety_images``).
 
     ``dnnsafety_data`` (the labelled evaluation data) by default; also ``monitor_data`` (what runtime
     monitors are fitted on) and ``ood_data`` (novel classes). A factory that returns a ``DataLoader``
@@ -493,6 +501,12 @@ def load_dataset(settings: Settings, name: str = "data", what: str = "evaluation
             return made
     if resolved.is_factory and isinstance(made, DetectionData):
         return made
+    if not resolved.is_factory and str(resolved.value).lower().endswith(".json"):  # COCO annotations
+        from pytest_dnnsafety.files.coco import from_coco
+
+        images = settings.get("images")
+        return from_coco(existing_file(settings, resolved), None if images.value is None else settings.path(images),
+                         f"{what} (dnnsafety_{name}={resolved.value!r} from {resolved.source})")
     x, y = _load_data_setting(settings, name, what, made if resolved.is_factory else None)
     if isinstance(y, BoxSet):  # detection targets (.npz keys x, boxes, labels, offsets)
         return DetectionData(x, y)

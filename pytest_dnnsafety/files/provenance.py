@@ -114,6 +114,10 @@ def _data_tensors(obj: Any) -> tuple[list[tuple[str, Any]] | None, str]:
                       "evidence; use a TensorDataset underneath to get a digest")
     if isinstance(obj, DetectionData):
         t = obj.targets
+        if getattr(obj, "lazy", False):  # COCO data: images streamed from their files, never all read for a digest
+            return ([("boxes", t.boxes), ("labels", t.labels), ("offsets", t.offsets())],
+                    "the COCO data's targets (boxes, labels, offsets; annotations file "
+                    f"{getattr(obj, 'digest', '?')}); its images are read lazily and are not part of the digest")
         return ([("x", obj.x), ("boxes", t.boxes), ("labels", t.labels), ("offsets", t.offsets())],
                 "the detection data's images and targets (x, boxes, labels, offsets)")
     if isinstance(obj, data.TensorDataset):
@@ -152,6 +156,10 @@ def _fingerprint(obj: Any) -> dict[str, Any]:
         return _scenario_table(obj)
     if module.startswith("pytest_dnnsafety.engines.reliability.profile") and hasattr(obj, "points"):
         return _profile(obj)
+    if module == "pytest_dnnsafety.files.predictions" and hasattr(obj, "sha256"):  # outputs recorded elsewhere
+        return {"digest": obj.sha256, "digest_of": f"the recorded predictions file {obj.path}",
+                "recorded_predictions": obj.to_details(),
+                "model": None if obj.model is None else {"type": type_name(obj.model), **_fingerprint(obj.model)}}
     if isinstance(obj, Mapping) and obj and all(_is_monitor(v) for v in obj.values()):
         return _monitors(obj)
     torch = _torch()
@@ -170,6 +178,11 @@ def _fingerprint(obj: Any) -> dict[str, Any]:
         if is_exported_module(obj):  # the deployed artifact itself: its graph is what runs
             out["model_format"] = "torch.export program"
             out["graph_digest"] = "sha256:" + hashlib.sha256(obj.code.encode()).hexdigest()
+        from pytest_dnnsafety.files.onnx_model import is_onnx_model
+
+        if is_onnx_model(obj):  # the deployed artifact: the digest of the .onnx bytes read (weights included)
+            out = {"digest": "sha256:" + obj.sha256, "digest_of": "the ONNX file's bytes as read",
+                   "model_format": "ONNX", "file": None if obj.path is None else obj.path.name}
         return out
     tensors, what = _data_tensors(obj)
     if tensors is not None:

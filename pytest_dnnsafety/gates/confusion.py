@@ -113,6 +113,7 @@ MAX_WEIGHTED_CONFUSION = GateDef(
     conditional={"severity_matrix": "!severity"},
     measure=_measure_weighted_confusion,
     shards=True,
+    outputs_only=True,  # reads the shared pass's outputs only: recorded predictions can stand in for the model
     signal=("model", "data"),  # a collapsed model confuses only the pairs the severity may not weigh  # confusion counts: each rank its share of the batches, then sum
     doc="fail if the expected severity per input Σ W∘C / N (its upper confidence bound by default) exceeds "
         "`threshold` (Cheng et al. 2018, §II-H, Table I)",

@@ -146,6 +146,11 @@ class GateDef:
     #: multiplies the forwards by a probed time per forward, shows the estimate and refuses a gate estimated above
     #: ``max_seconds``. None: one pass over the data
     cost: Callable[[Mapping[str, Any], Any], Any] | None = None
+    #: the gate reads only its model's outputs on its ``data`` role, through the shared pass (:func:`.shared.outputs_for`):
+    #: recorded predictions (:class:`~pytest_dnnsafety.files.predictions.RecordedPredictions`) can stand in for the
+    #: model. False (the default): the gate needs the model itself (inputs it makes, layers, gradients), and is refused
+    #: when only recorded predictions are given (run on the real model when one is given with them)
+    outputs_only: bool = False
 
     @property
     def regression_keyword(self) -> str:
@@ -217,7 +222,7 @@ class GateDef:
             out.append(f"layers must be None or callable as layers(options) -> layer names, got {self.layers!r}")
         if self.cost is not None and not callable(self.cost):
             out.append(f"cost must be None or callable as cost(options, workload) -> Cost, got {self.cost!r}")
-        for flag in ("timed", "shards"):
+        for flag in ("timed", "shards", "outputs_only"):
             if not isinstance(getattr(self, flag), bool):
                 out.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         return out

@@ -3,9 +3,10 @@
 The metric is COCO's bounding-box mean average precision (Lin et al. 2014, "Microsoft COCO: Common
 Objects in Context"; computed as pycocotools' ``COCOeval`` does, see
 :mod:`pytest_dnnsafety.engines.detection.matching`) and per-class recall at a score threshold, per scenario
-group: with ``by=`` the images are grouped by the values of those conditions of the scenario table
-(every combination of their declared domains is a group; the worst group is gated), which is the
-scenario-based performance degradation of Cheng et al. 2018, §II-E, for a detector.
+group (crowd regions and COCO's small/medium/large area ranges as ``COCOeval`` treats them: each group's mAP per
+range is in the details, and ``area=`` gates one range): with ``by=`` the images are grouped by the values of
+those conditions of the scenario table (every combination of their declared domains is a group; the worst group is
+gated), which is the scenario-based performance degradation of Cheng et al. 2018, §II-E, for a detector.
 
 The compared number is, by default, the worst group's *lower* bound of a bootstrap over images
 (``statistic="bound"``; objects of one image are dependent, images are the independent units), read
@@ -136,6 +137,9 @@ MIN_DETECTION_MAP = GateDef(
     threshold_range=(0.0, 1.0),
     params=(Param("iou", (str, float), COCO_RANGE, _iou_map,
                   "give iou='0.5:0.95' (COCO's mAP over ten IoU thresholds), '0.5' or a number in (0, 1]"),
+            Param("area", (str,), "all", one_of("all", "small", "medium", "large"),
+                  "give area='all' (every object), 'small' (area < 32²), 'medium' (32² to 96²) or 'large' (> 96²): "
+                  "COCO's area ranges, by the annotation's area"),
             *_COMMON),
     fixtures=_FIXTURES,
     conditional={"scenarios": "by"},
@@ -143,6 +147,7 @@ MIN_DETECTION_MAP = GateDef(
     cost=bootstrap_cost,
     tasks=("detection",),
     shards=True,
+    outputs_only=True,  # reads the shared pass's outputs only: recorded detections can stand in for the model
     doc="fail unless every scenario group of `by` (or all images) has a COCO mAP (Lin et al. 2014) whose "
         "bootstrap lower bound over images at `confidence` (by `method`, default 'wide') reaches `threshold` (scenario-based degradation, Cheng "
         "et al. 2018, §II-E); small groups are inconclusive unless allowed",
@@ -165,6 +170,7 @@ MIN_DETECTION_RECALL = GateDef(
     cost=bootstrap_cost,
     tasks=("detection",),
     shards=True,
+    outputs_only=True,  # reads the shared pass's outputs only: recorded detections can stand in for the model
     doc="fail unless every scenario group of `by` (or all images) finds each class's objects (IoU ≥ `iou`, score "
         "≥ `score_threshold`) with a recall whose bootstrap lower bound (by `method`, default 'wide') reaches `threshold` (Cheng et al. 2018, "
         "§II-E)",

@@ -224,12 +224,16 @@ def evaluate(spec: GateSpec, fixture_values: Mapping[str, Any], settings: Settin
 
 def _prepared(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContext, before: dict[str, Any]
               ) -> tuple[Mapping[str, Any], float]:
-    """The fixture values with ``sample=`` applied, and the gate's estimated seconds — refused (a
+    """The fixture values with recorded predictions resolved (:func:`~pytest_dnnsafety.gates.prepare.recorded`) and
+    ``sample=`` applied, and the gate's estimated seconds — refused (a
     :class:`~pytest_dnnsafety.gates.cost.BudgetError`) above ``max_seconds`` before any work. ``before`` receives the
-    evidence: ``sample`` (N, seed, the indices' digest, the stratification) and ``cost_estimate``."""
+    evidence: ``outputs_from`` (recorded predictions or the model), ``sample`` (N, seed, the indices' digest, the
+    stratification) and ``cost_estimate``."""
     from pytest_dnnsafety.gates.cost import check_budget
-    from pytest_dnnsafety.gates.prepare import estimated, subsampled
+    from pytest_dnnsafety.gates.prepare import estimated, recorded, subsampled
 
+    fixture_values, read = recorded(spec, fixture_values)  # recorded predictions: read, or the model run, or refused
+    before.update(read)
     fixture_values, sample = subsampled(spec, fixture_values, ctx)
     if sample is not None:
         before["sample"] = sample

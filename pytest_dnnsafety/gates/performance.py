@@ -120,6 +120,7 @@ MIN_SCENARIO_ACCURACY = GateDef(
     measure=_measure,
     tasks=("single-label", "multi-label"),
     shards=True,
+    outputs_only=True,  # reads the shared pass's outputs only: recorded predictions can stand in for the model
     doc="fail unless every scenario group of the `by` conditions has an accuracy whose one-sided Clopper–Pearson "
         "lower bound at `confidence` reaches `threshold` (Cheng et al. 2018, §II-E); groups below `min_samples` "
         "rows or without rows fail the gate unless allowed",
@@ -138,6 +139,7 @@ MAX_SCENARIO_DEGRADATION = GateDef(
     measure=_measure,
     tasks=("single-label", "multi-label"),
     shards=True,
+    outputs_only=True,  # reads the shared pass's outputs only: recorded predictions can stand in for the model
     signal=("model", "data"),  # relative: a model at chance degrades nowhere
     doc="fail if some scenario group of the `by` conditions is more than `threshold` less accurate than the whole "
         "data (point estimate, or its upper bound with statistic='bound'); groups below `min_samples` rows or "

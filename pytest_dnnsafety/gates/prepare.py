@@ -21,16 +21,53 @@ from pytest_dnnsafety.errors import ConfigError
 from pytest_dnnsafety.gates.core import GateContext, GateSpec
 from pytest_dnnsafety.gates.cost import Estimate, Workload, estimate_for, probe
 
-__all__ = ["ALIGNED", "subsampled", "estimated"]
+__all__ = ["ALIGNED", "recorded", "subsampled", "estimated"]
 
 #: Roles whose fixture has one row per input of the ``data`` role (restricted with it).
 ALIGNED = ("scenarios", "masks")
+
+
+def recorded(spec: GateSpec, fx: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """``(fixture values, evidence)`` with recorded predictions (a role holding a
+    :class:`~pytest_dnnsafety.files.predictions.RecordedPredictions`) resolved for this gate: an output-only gate
+    (:attr:`GateDef.outputs_only <pytest_dnnsafety.gates.core.GateDef.outputs_only>`) on the data they were recorded
+    on reads them; any other gate gets the real model given with them (``model``), or is refused — a ConfigError
+    naming the marker, the file and the fix. The evidence says what the gate read (``outputs_from``)."""
+    from pytest_dnnsafety.files.predictions import RecordedPredictions
+
+    gate = spec.definition
+    out, details = dict(fx), {}
+    for role, value in fx.items():
+        if not isinstance(value, RecordedPredictions):
+            continue
+        data = gate.signal[1] if gate.signal is not None and gate.signal[0] == role else "data"
+        if gate.outputs_only and fx.get(data) is value.data:
+            details = {"outputs_from": f"{value.describe()}; the model was not run",
+                       "recorded_predictions": value.to_details()}
+            continue
+        name = spec.fixtures.get(role, role)
+        why = (f"{spec.marker} reads outputs on fixture {spec.fixtures.get(data, data)!r}, not on the data the "
+               "predictions were recorded on" if gate.outputs_only else
+               f"{spec.marker} needs the model itself (inputs it makes, layers, gradients or bounds), not only its "
+               "outputs on the evaluation data")
+        if value.model is None:
+            raise ConfigError(f"{spec.marker}: the model (fixture {name!r}) is recorded predictions only, the outputs "
+                              f"read from {value.path}; {why}. Fix: give dnnsafety_model too (or "
+                              "RecordedPredictions.from_file(..., model=...)): the output-only gates then read the "
+                              "recorded predictions and the others run the model; or drop this gate")
+        out[role] = value.model
+        details = {"outputs_from": "model run", "recorded_predictions_not_read": f"{value.describe()}: {why}"}
+    return out, details
 
 
 def subsampled(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
                ) -> tuple[Mapping[str, Any], dict[str, Any] | None]:
     """``(fixture values, evidence)``: the values with ``data`` (and :data:`ALIGNED` roles) restricted to the seeded
     subsample when ``sample`` is set, else as they are (evidence None). Too large a sample is a ConfigError."""
+    table = fx.get("scenarios")
+    if getattr(table, "_join", None) is not None and "data" in fx:  # rows keyed by COCO image id / file name
+        data = fx["data"]
+        fx = {**fx, "scenarios": ctx.memo("scenario join", (table, data), (), lambda: table.aligned_to(data))}
     resolved = ctx.sample
     n = getattr(resolved, "value", None)
     if n is None:
@@ -58,11 +95,17 @@ def subsampled(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
     table = fx.get("scenarios")
     table = table if isinstance(table, ScenarioTable) and len(table) == total else None
     aligned = {role: fx[role] for role in ALIGNED if role in fx and fx[role] is not None}
+    from pytest_dnnsafety.files.predictions import RecordedPredictions
+
+    recorded_roles = {role: value for role, value in fx.items()
+                      if isinstance(value, RecordedPredictions) and value.data is data}
 
     def compute() -> tuple[dict[str, Any], dict[str, Any]]:
         groups = [tuple(row) for row in table.codes.tolist()] if table is not None else None
         sub = choose(total, n, ctx.seed, groups)
         views: dict[str, Any] = {"data": take(data, sub.indices, f"fixture {name!r}")}
+        for role, value in recorded_roles.items():  # recorded predictions follow their data's rows
+            views[role] = value.take(sub.indices, views["data"])
         for role, value in aligned.items():
             if isinstance(value, ScenarioTable):
                 views[role] = _table_rows(value, sub.indices) if len(value) == total else value
@@ -72,7 +115,7 @@ def subsampled(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext
                                          f"(rows with equal {', '.join(table.conditions.names)})")
         return views, sub.to_details(by)
 
-    objects = (data, table, *aligned.values())
+    objects = (data, table, *aligned.values(), *recorded_roles.values())
     views, details = ctx.memo("sample", objects, (n, ctx.seed, tuple(aligned)), compute)
     return {**fx, **views}, dict(details)
 
@@ -100,7 +143,9 @@ def estimated(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Estima
     data = fx.get("data")
     n = (known_length(data) or 0) if data is not None else 0
     found = None
-    if "model" in fx and data is not None:
+    from pytest_dnnsafety.files.predictions import RecordedPredictions
+
+    if "model" in fx and data is not None and not isinstance(fx["model"], RecordedPredictions):  # recorded: no forward
         found = ctx.memo("cost-probe", (fx["model"], data), (ctx.device,),
                          lambda: probe(fx["model"], data, ctx.device))
     per, probed, shape, example = found if found is not None else (None, 0, None, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,7 +19,24 @@ from pytest_dnnsafety.files.loading import call_factory, existing_file, load_ope
 from pytest_dnnsafety.files.loading import read_array_file
 from pytest_dnnsafety.settings import Settings
 
-__all__ = ["load_operational_profile", "load_masks", "load_scenario_table"]
+__all__ = ["load_operational_profile", "load_masks", "load_scenario_table", "load_model_or_predictions"]
+
+
+def load_model_or_predictions(settings: Settings, device: torch.device, dataset: Callable[[], Any]) -> Any:
+    """The ``model`` fixture's value: the model of ``dnnsafety_model``, or — with ``dnnsafety_predictions`` set —
+    :class:`~pytest_dnnsafety.files.predictions.RecordedPredictions` read against the evaluation data
+    (``dataset()``, the ``dataset`` fixture) and holding the model when ``dnnsafety_model`` is set too (else None:
+    the model is not loaded, and gates that need it are refused by name)."""
+    from pytest_dnnsafety.files.loading import load_model
+    from pytest_dnnsafety.files.predictions import RecordedPredictions
+
+    resolved = settings.get("predictions")
+    if resolved.value is None:
+        return load_model(settings, device)
+    path = existing_file(settings, resolved)
+    model = load_model(settings, device) if settings.get("model").value is not None else None
+    what = f"recorded predictions (dnnsafety_predictions={resolved.value!r} from {resolved.source})"
+    return RecordedPredictions.from_file(path, dataset(), model, what=what)
 
 
 def load_operational_profile(settings: Settings, device: torch.device) -> Any:

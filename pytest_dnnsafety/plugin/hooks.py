@@ -168,16 +168,19 @@ def dnnsafety_settings(pytestconfig: pytest.Config) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def model(dnnsafety_settings: Settings) -> Any:
-    """The model under test, from ``dnnsafety_model``, in eval mode on the configured device.
+def model(dnnsafety_settings: Settings, request: pytest.FixtureRequest) -> Any:
+    """The model under test, from ``dnnsafety_model``, in eval mode on the configured device; with
+    ``dnnsafety_predictions`` set, the recorded predictions on ``dataset`` standing in for it (holding the model
+    when ``dnnsafety_model`` is set too).
 
     Override by defining a ``model`` fixture in ``conftest.py``.
     """
     with _setup_errors("model"):
-        from pytest_dnnsafety.files.loading import load_model
+        from pytest_dnnsafety.plugin.fixtures import load_model_or_predictions
         from pytest_dnnsafety.runtime.devices import resolve_device
 
-        return load_model(dnnsafety_settings, resolve_device(dnnsafety_settings.get("device")))
+        return load_model_or_predictions(dnnsafety_settings, resolve_device(dnnsafety_settings.get("device")),
+                                         lambda: request.getfixturevalue("dataset"))
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ _UNSET: Any = object()
 
 #: The plugin's own fixtures and the settings each one loads from (for the evidence's ``inputs``).
 PLUGIN_FIXTURE_SETTINGS = {
-    "model": ("model", "model_factory"),
+    "model": ("model", "model_factory", "predictions"),
     "dataset": ("data",),
     "scenario_table": ("scenarios", "conditions"),
     "operational_profile": ("operational_data",),
