@@ -11,6 +11,8 @@ the session's shared forward passes each test's gates ran (timed apart from the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from typing import Any, Iterator
 
@@ -112,6 +114,13 @@ class Evaluating(DnnSafetyPlugin):
             names = getattr(item, "fixturenames", None)
             if names is None:
                 raise DnnSafetyError(f"{item.nodeid}: gate markers work on Python test functions only.")
+            info = getattr(item, "_fixtureinfo", None)
+            if isinstance(names, list) and info is not None and dataclasses.is_dataclass(info):
+                # the parametrized items of one function share one list: a marker on one pytest.param must add
+                # its fixtures to that item alone, so the item gets its own copy first
+                names = list(names)
+                item.fixturenames = names  # type: ignore[attr-defined]
+                item._fixtureinfo = dataclasses.replace(info, names_closure=names)  # type: ignore[attr-defined]
             for spec in specs:
                 for fixture in spec.fixtures.values():
                     if fixture not in names:
