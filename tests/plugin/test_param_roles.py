@@ -49,3 +49,20 @@ def test_a_role_fixture_of_one_param_is_not_set_up_for_its_siblings(pytester) ->
     result = project.run("-rs")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *this artifact is not here*"])
+
+
+OWN_MODEL = """
+@pytest.mark.min_neuron_k_activation(0.0, layer="1", k=1)
+def test_gate(model, dataset):
+    pass
+"""
+
+
+def test_predictions_set_beside_a_project_model_fixture_warn(pytester) -> None:
+    project = GateProject(pytester)
+    project.write("conftest.py", CONFTEST)
+    project.tests("import pytest\n" + OWN_MODEL)
+    project.ini["dnnsafety_predictions"] = "recorded.npy"
+    result = project.run()
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*dnnsafety_predictions='recorded.npy' is set, but the project's own `model` fixture*"])

@@ -101,12 +101,32 @@ class Evaluating(DnnSafetyPlugin):
         fixturedef = _fixturedef(item, name)
         return fixturedef is not None and not _is_plugin_fixture(fixturedef)
 
+    def _warn_unread_predictions(self, item: pytest.Item) -> None:
+        """``dnnsafety_predictions`` set while the project's own ``model`` fixture replaces the plugin's: the file
+        would not be read; say so once instead of gating the model silently."""
+        if getattr(self, "_predictions_warned", False) or not self._overridden(item, "model"):
+            return
+        try:
+            resolved = self.settings.get("predictions")
+        except Exception:  # noqa: BLE001 - an invalid setting is reported where the fixture reads it
+            return
+        if resolved is None or getattr(resolved, "value", None) in (None, ""):
+            return
+        self._predictions_warned = True
+        item.warn(pytest.PytestConfigWarning(
+            f"dnnsafety_predictions={resolved.value!r} is set, but the project's own `model` fixture replaces the "
+            f"plugin's, so the recorded predictions are not read (first seen at {item.nodeid}). Fix: remove the "
+            "`model` fixture from conftest.py, or return RecordedPredictions.from_file(path, dataset, model=...) "
+            "from it."))
+
     def _prepare(self, item: pytest.Item) -> list[GateSpec]:
         specs: list[GateSpec] = []
         for mark in item.iter_markers():
             if mark.name not in self.registry:
                 continue
             spec = parse_marker(mark.name, mark.args, mark.kwargs, where=item.nodeid, registry=self.registry)
+            if "model" in spec.fixtures.values() and hasattr(item, "_fixtureinfo"):
+                self._warn_unread_predictions(item)
             if spec.optional and hasattr(item, "_fixtureinfo"):
                 spec = resolve_optional(spec, self.settings, lambda name: self._overridden(item, name))
             specs.append(spec)
