@@ -24,7 +24,7 @@ def reader(model):
     """The multi-label reader (models/reader.pt), in eval mode, on the detector's (the configured) device."""
     net = build_reader()
     net.load_state_dict(torch.load(PROJECT / "models" / "reader.pt", weights_only=True))
-    return net.to(next(model.parameters()).device).eval()
+    return net.to(next(model.parameters(), torch.empty(0)).device).eval()
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ def reader_0to7(model):
     """The reader trained on the digits 0-7 only, on the same device as the main model."""
     reader = build_model(num_classes=KNOWN_DIGITS)
     reader.load_state_dict(torch.load(PROJECT / "models" / "digits_cnn_0to7.pt", weights_only=True))
-    return reader.to(next(model.parameters()).device).eval()
+    return reader.to(next(model.parameters(), torch.empty(0)).device).eval()  # an ONNX model has none: CPU
 
 
 @pytest.fixture(scope="session")

@@ -93,12 +93,14 @@ class OnnxTapped:
     """The ONNX graph with ``layers`` as extra outputs: ``run(sink, x)`` returns the model's output and calls
     ``sink(i, value)`` with the value of ``layers[i]`` from the same run (as :class:`~.pt2_taps.TappedForward`)."""
 
-    def __init__(self, model: "OnnxModel", layers: tuple[str, ...]) -> None:
+    def __init__(self, model: "OnnxModel", layers: tuple[str, ...], values: tuple[str, ...] | None = None) -> None:
         self.model = model
-        self.layers = layers
+        self.layers = layers  # as the gates name them
+        self.values = values or layers  # the graph values they resolve to (a module path -> its output's name)
 
     def run(self, sink: Callable[[int, Any], None], x: torch.Tensor) -> Any:
-        outputs, extra = self.model._run(x, self.layers)
+        outputs, extra = self.model._run(x, tuple(dict.fromkeys(self.values)))
+        extra = [extra[list(dict.fromkeys(self.values)).index(v)] for v in self.values]
         for i, value in enumerate(extra):
             sink(i, value)
         return outputs
@@ -164,21 +166,47 @@ class OnnxModel(torch.nn.Module):
         """The graph's node output names (its intermediate values), in node order."""
         return list(dict.fromkeys(o for node in self._model_proto().graph.node for o in node.output if o))
 
+    def module_outputs(self) -> dict[str, str]:
+        """Eager module paths -> the graph value each module's output became, read from the node names torch's
+        exporter writes (``/features/features.0/Conv``: scopes, qualified for containers' children): the last node
+        of a module's scope gives its output. Lets ``layer="classifier.0"`` name the same tensor as in the eager
+        model's ``named_modules()``."""
+        cached = self.__dict__.get("_module_outputs")
+        if cached is None:
+            cached = {}
+            for node in self._model_proto().graph.node:
+                if not node.name.startswith("/") or not node.output or not node.output[0]:
+                    continue
+                path = ""
+                for seg in node.name.split("/")[1:-1]:
+                    path = seg if not path or seg.startswith(path + ".") else f"{path}.{seg}"
+                    cached[path] = node.output[0]
+            object.__setattr__(self, "_module_outputs", cached)
+        return cached
+
+    def resolve_layer(self, layer: str) -> str | None:
+        """The graph value a gate's ``layer=`` names: a node output name, else an eager module path (None: neither)."""
+        if layer in set(self.layer_names()):
+            return layer
+        return self.module_outputs().get(layer)
+
     def check_layers(self, layers: Sequence[str]) -> None:
         """ConfigError naming the unknown names and listing the graph's (truncated) when a name is not a value."""
-        names = self.layer_names()
-        known = set(names)
-        unknown = [layer for layer in layers if layer not in known]
+        unknown = [layer for layer in layers if self.resolve_layer(layer) is None]
         if unknown:
+            names = self.layer_names()
+            modules = list(self.module_outputs())
             shown = ", ".join(names[:40]) + (", …" if len(names) > 40 else "")
+            paths = (f"; or an eager module path the exporter recorded: {', '.join(modules[:40])}"
+                     f"{', …' if len(modules) > 40 else ''}") if modules else ""
             raise ConfigError(f"layer(s) {', '.join(map(repr, unknown))}: not a tensor of the ONNX graph. Fix: use a "
-                              f"node output name of the graph ({len(names)}): {shown}")
+                              f"node output name of the graph ({len(names)}): {shown}{paths}")
 
     def tapped(self, layers: Sequence[str]) -> OnnxTapped:
-        """The graph with ``layers`` (node output names) as extra outputs, read in the same run."""
+        """The graph with ``layers`` (node output names or module paths) as extra outputs, read in the same run."""
         layers = tuple(dict.fromkeys(layers))
         self.check_layers(layers)
-        return OnnxTapped(self, layers)
+        return OnnxTapped(self, layers, tuple(self.resolve_layer(layer) or layer for layer in layers))
 
     def _tapped_proto(self, layers: tuple[str, ...]) -> bytes:
         onnx = _import("onnx", self._where)
@@ -258,5 +286,28 @@ class OnnxModel(torch.nn.Module):
                          "labels": labels[i][keep[i]].long()} for i in range(boxes.shape[0])]
         return values[0] if len(values) == 1 else tuple(values)
 
+    def translated(self, error: type[Exception] = ConfigError) -> torch.nn.Module:
+        """The graph as the equivalent eager torch module (:func:`~pytest_dnnsafety.files.onnx_graph.translate_onnx`),
+        checked against onnxruntime once and kept (not a submodule: the model's parameters stay empty)."""
+        cached = self.__dict__.get("_translation")
+        if cached is None:
+            from pytest_dnnsafety.files.onnx_graph import translate_onnx
+
+            try:
+                cached = translate_onnx(self, error)
+            except Exception as exc:  # kept too: the refusal is given again, not recomputed
+                cached = exc
+            object.__setattr__(self, "_translation", cached)
+        if isinstance(cached, Exception):
+            raise error(str(cached)) from None
+        return cached
+
     def forward(self, x: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad and \
+                not set(_DETECTOR) <= set(self.output_names) and len(self.output_names) == 1:
+            # a gradient is asked for (an attack): onnxruntime's values, the checked translation's gradient
+            from pytest_dnnsafety.files.onnx_graph import ort_with_translated_gradient
+
+            translation = self.translated()
+            return ort_with_translated_gradient(x, lambda xx: self._run(xx)[0], translation.to(x.device))
         return self._run(x)[0]

@@ -94,7 +94,8 @@ def test_intermediate_tensors_equal_the_eager_hooks(case: tuple[nn.Module, Path,
     model = _load(root)
     names = layer_names(model)
     relus = [name for name in names if "Relu" in name]
-    assert len(relus) == 3 and names[-1] == "logits"
+    assert len(relus) == 3 and "logits" in names and names.index("logits") == len(model.layer_names()) - 1
+    assert {"features.1", "features.4", "head.2"} <= set(names)  # the eager module paths, after the node names
     seen: dict[str, torch.Tensor] = {}
     for module in ("features.1", "features.4", "head.2"):
         dict(eager.named_modules())[module].register_forward_hook(
@@ -130,8 +131,10 @@ def test_capture_reads_the_graph_tensors_in_one_pass(case: tuple[nn.Module, Path
 
 def test_an_unknown_layer_lists_the_graphs_names(case: tuple[nn.Module, Path, torch.Tensor]) -> None:
     model = _load(case[1])
-    with pytest.raises(ConfigError, match=r"'features\.1'.*node output name.*/features/features\.1/Relu_output_0"):
-        check_layers(model, ["features.1"])
+    with pytest.raises(ConfigError, match=r"'features\.9'.*node output name.*/features/features\.1/Relu_output_0"
+                                          r".*eager module path.*features\.1"):
+        check_layers(model, ["features.9"])
+    check_layers(model, ["features.1", "/features/features.1/Relu_output_0"])  # a module path names its output
 
 
 def test_the_fingerprint_names_the_onnx_file(case: tuple[nn.Module, Path, torch.Tensor]) -> None:

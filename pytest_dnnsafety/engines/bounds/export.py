@@ -91,6 +91,10 @@ def aten_node_count(model: fx.GraphModule) -> int:
 
 def bounds_model_note(model: Any) -> str | None:
     """What the certified bounds of ``model`` are computed on, for the gate's details (None: the eager model)."""
+    from pytest_dnnsafety.files.onnx_model import is_onnx_model
+
+    if is_onnx_model(model):
+        return f"ONNX graph (translated into torch layers, {len(model._model_proto().graph.node)} nodes)"
     return _note(aten_node_count(model)) if is_exported(model) else None
 
 
@@ -332,7 +336,9 @@ def export_mismatch(model: Any, x: Tensor, outputs: Tensor) -> Tensor | None:
 
     For a verification loop that already has the program's outputs on the batch (no host sync).
     """
-    if not isinstance(model, ExportTranslation):
+    from pytest_dnnsafety.files.onnx_graph import OnnxTranslation
+
+    if not isinstance(model, (ExportTranslation, OnnxTranslation)):  # an ONNX graph's: against onnxruntime's logits
         return None
     with torch.no_grad():
         got = _first(model(x))

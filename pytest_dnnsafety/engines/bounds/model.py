@@ -150,8 +150,11 @@ class BoundedModel:
     def __init__(self, model: nn.Module, *, max_elements: int | None = None,
                  max_memory: int | str | None = None) -> None:
         from pytest_dnnsafety.engines.bounds.export import is_exported, translate_export  # a torch.export program (.pt2): its ATen graph
+        from pytest_dnnsafety.files.onnx_model import is_onnx_model
         if is_exported(model):  # translated into the modules below, holding the program's own tensors
             model = translate_export(model, UnsupportedLayerError)
+        elif is_onnx_model(model):  # an ONNX graph: translated node for node, checked against onnxruntime
+            model = model.translated(UnsupportedLayerError)
         if isinstance(model, torch.jit.ScriptModule):
             raise _unsupported(f"the model ({type(model).__name__}) is a TorchScript module, which",
                                "cannot be traced", "Fix: pass the original eager nn.Module (or load it with a "

@@ -134,8 +134,8 @@ def layer_names(model: torch.nn.Module) -> list[str]:
     """The names a gate's ``layer=`` may take: ``named_modules()``, or a torch.export program's graph modules."""
     if is_exported_module(model):
         return list(graph_layers(model).names)
-    if is_onnx_model(model):  # an ONNX graph's node output names
-        return model.layer_names()
+    if is_onnx_model(model):  # an ONNX graph's node output names, then the eager module paths its exporter recorded
+        return list(dict.fromkeys([*model.layer_names(), *model.module_outputs()]))
     return [name for name, _ in model.named_modules() if name]
 
 
