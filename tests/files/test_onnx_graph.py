@@ -134,7 +134,7 @@ def _graph_with(node: onnx.NodeProto) -> OnnxModel:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
     relu = helper.make_node("Relu", ["x"], ["h"], name="relu_0")
     graph = helper.make_graph([relu, node], "g", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)  # older runtimes too
     return OnnxModel(model.SerializeToString(), where="test model")
 
 

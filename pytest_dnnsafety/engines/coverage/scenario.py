@@ -211,7 +211,8 @@ class ScenarioCoverageEngine(Engine):
             self._feasible = mask.to(self.device)
             self._card_tensor = torch.tensor(cards, dtype=torch.int64, device=self.device)
             self._offsets_all = torch.tensor(self.layout.offsets, dtype=torch.int64, device=self.device)
-            #: the float64 radix weights and offsets of the matrix-product path, built at its first use
+            #: the float64 radix weights and offsets of the matrix-product path: on an accelerator built with the
+            #: paths (outside the update loop), on the CPU at their first use
             self._weights_f: Tensor | None = None
             self._offsets_f: Tensor | None = None
             self._index_dtype = torch.int32 if total < 2**31 else torch.int64
@@ -227,6 +228,9 @@ class ScenarioCoverageEngine(Engine):
         self._use_float_index = self.device.type in ("cpu", "cuda")
         #: condition groups and int16 keys (:mod:`.counting`) for large updates on the CPU
         self._use_groups = on_cpu
+        if not on_cpu and self._use_float_index:  # built here, outside any update loop (a host-to-device copy)
+            self._weights_f = _weight_matrix(self.layout, self.device)
+            self._offsets_f = self.layout.offsets_tensor(torch.float64, self.device)
         elems = _CPU_CHUNK_ELEMS if on_cpu else _ACCEL_CHUNK_ELEMS
         # bincount materialises `total` bins per chunk: keep chunks at least twice that big.
         elems = min(max(elems, 2 * self.layout.total), _MAX_CHUNK_ELEMS)

@@ -264,7 +264,8 @@ class NeuronKActivationEngine(Engine):
     and ``n_inputs`` (int64 scalar, reduce ``sum``).
 
     Cost: k = 2 is one ``c × c`` product per pass of min(2**22, 2**24/c) rows while most pairs are
-    open, then work on the open pairs only (:mod:`.open_pairs`; a few host syncs per pass); k = 3 about
+    open, then, on the CPU, work on the open pairs only (:mod:`.open_pairs`; a few host syncs per pass; on an
+    accelerator the dense product stays, with no sync); k = 3 about
     ``N·c³/3`` multiply-adds (chunked) plus one pass over the ``c³/3`` block entries per pass of
     rows. A per-chunk int32 index (4 bytes per tuple) is built on the first update or compute.
     """
@@ -386,7 +387,7 @@ class NeuronKActivationEngine(Engine):
             pairs = self._open = None
             if self._dense_left > 0:  # the open pairs' product was too large lately: no list for now
                 self._dense_left -= 1
-            else:
+            elif b.device.type == "cpu":  # the list reads sizes on the host; an accelerator's dense product needs none
                 pairs = self._open = OpenPairs.build(self.occupied, self.n_neurons)
         if pairs is not None:
             if pairs.fold(self.occupied, b, s):
