@@ -16,11 +16,11 @@ from pytest_dnnsafety.gates import builtin_registry, evaluate, parse_marker
 from pytest_dnnsafety.files.loading import load_dataset
 from pytest_dnnsafety.engines.core.guard import ForwardGuard
 from pytest_dnnsafety.files.provenance import fingerprint
+from pytest_dnnsafety.data.boxes import box_iou
 from pytest_dnnsafety.data.tasks import (
     BoxSet,
     DetectionData,
     as_boxset,
-    box_iou,
     detection_collate,
     infer_task,
     matched_scores,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.data.tasks import BoxSet, group_starts, matched_scores
+from pytest_dnnsafety.data.boxes import group_starts
+from pytest_dnnsafety.data.tasks import BoxSet, matched_scores
 
 __all__ = ["repeat_targets", "top_scores", "select_images",
            "image_errors", "declared_classes", "detector_classes"]

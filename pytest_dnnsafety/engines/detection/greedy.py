@@ -14,7 +14,7 @@ rank, so its cost is the batch's detections × objects per cell × thresholds, n
 * a cell's objects are padded in *reverse* annotation order, so ``max``'s first maximum is pycocotools' last
   of equal IoUs;
 * the IoU of one rank's detections with their cells' objects is computed in the step
-  (:func:`~pytest_dnnsafety.data.tasks.paired_iou`, the same bits as everywhere), never a detections × objects
+  (:func:`~pytest_dnnsafety.data.boxes.paired_iou`, the same bits as everywhere), never a detections × objects
   block; a batch whose padded cells × objects × thresholds exceed :data:`MATCH_CHUNK_ELEMENTS` is matched in
   spans of consecutive cells (:func:`cell_spans`).
 

@@ -18,7 +18,7 @@ the numbers equal pycocotools' to floating-point rounding:
 * **matching** (``evaluateImg``), per image and class: the detections sorted by score, descending,
   with a stable sort, at most ``max_detections`` of them (pycocotools caps per image *and class*);
   each detection in turn takes the still unmatched ground-truth box of its image and class with the
-  highest IoU (:func:`~pytest_dnnsafety.data.tasks.box_iou`'s, per cell: :func:`cell_iou`) at least ``t``
+  highest IoU (:func:`~pytest_dnnsafety.data.boxes.box_iou`'s, per cell: :func:`cell_iou`) at least ``t``
   (among equal IoUs the later box, as pycocotools' loop does), separately for every IoU threshold
   ``t`` (COCO: 0.50:0.05:0.95);
 * **AP per class** (``accumulate``): all images' detections of the class sorted by score with a
@@ -68,7 +68,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_dnnsafety.data.tasks import BoxSet, paired_iou
+from pytest_dnnsafety.data.boxes import paired_iou
+from pytest_dnnsafety.data.tasks import BoxSet
 from pytest_dnnsafety.engines.core.base import Engine
 from pytest_dnnsafety.engines.detection.bootstrap import (
     DEFAULT_METHOD,
@@ -493,8 +494,8 @@ def _cell_spans(d_count: list[int], g_count: list[int], width: int) -> list[tupl
 
 
 def cell_iou(a: Tensor, b: Tensor) -> Tensor:
-    """:func:`~pytest_dnnsafety.data.tasks.box_iou` batched over a leading dimension: ``(C, P, 4)`` × ``(C, Q, 4)`` →
-    ``(C, P, Q)`` (the same kernel, :func:`~pytest_dnnsafety.data.tasks.paired_iou`, so the same bits), without the
+    """:func:`~pytest_dnnsafety.data.boxes.box_iou` batched over a leading dimension: ``(C, P, 4)`` × ``(C, Q, 4)`` →
+    ``(C, P, Q)`` (the same kernel, :func:`~pytest_dnnsafety.data.boxes.paired_iou`, so the same bits), without the
     ``(D, M)`` matrix of every detection against every object of the batch."""
     return paired_iou(a[:, :, None, :], b[:, None, :, :])
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from _coco_reference import random_case
 
-from pytest_dnnsafety.data.tasks import BoxSet, box_iou
+from pytest_dnnsafety.data.boxes import box_iou
+from pytest_dnnsafety.data.tasks import BoxSet
 from pytest_dnnsafety.engines.detection import greedy
 from pytest_dnnsafety.engines.detection.matching import (
     COCO_IOU_THRESHOLDS,

@@ -20,7 +20,8 @@ import torch
 from _coco_reference import random_case
 from pytest_dnnsafety.engines.detection.matching import (
     COCO_IOU_THRESHOLDS, RECALL_POINTS, BoxMatchEngine, _class_score_order, average_precision, cell_iou)
-from pytest_dnnsafety.data.tasks import BoxSet, as_boxset, box_iou
+from pytest_dnnsafety.data.boxes import box_iou
+from pytest_dnnsafety.data.tasks import BoxSet, as_boxset
 
 K = 4
 CASES = [dict(), dict(crowded=True), dict(ties=True), dict(crowded=True, ties=True), dict(integer=False),

@@ -17,7 +17,8 @@ from conftest import GateProject
 from pytest_dnnsafety.engines.core.detections import select_images, top_scores
 from pytest_dnnsafety.engines.interpretability.detector import assess_detector_occlusion
 from pytest_dnnsafety.errors import DataError
-from pytest_dnnsafety.data.tasks import BoxSet, DetectionData, box_iou, matched_scores
+from pytest_dnnsafety.data.boxes import box_iou
+from pytest_dnnsafety.data.tasks import BoxSet, DetectionData, matched_scores
 
 GATES = {
     "precision": "min_interpretation_precision(0.9, size=3)",
