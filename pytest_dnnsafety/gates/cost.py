@@ -4,10 +4,10 @@ A gate's :attr:`~pytest_dnnsafety.gates.core.GateDef.cost` says its work in *sin
 (one input through the model once; a gradient step counts :data:`GRADIENT` forwards) plus its engine's own
 seconds (:class:`Cost`), from its validated options and the :class:`Workload` (inputs, input shape, batch
 size). The evaluation measures the time of one forward per input with a short probe on the gate's own model
-and data (:func:`probe`: three forwards of a few inputs, once per session per (model, data)), multiplies
-(:class:`Estimate`), shows the estimate on the progress line, records it in the evidence
+and data (:func:`probe`: the fastest of a few timed forwards of a few inputs, once per session per (model, data)),
+multiplies (:class:`Estimate`), shows the estimate on the progress line, records it in the evidence
 (``details.cost_estimate``) and refuses a gate whose estimate exceeds ``max_seconds`` (:func:`check_budget`)
-before it does any work. No torch import at module level.
+before it does any work — after a second, longer probe confirms it (a busy moment must not refuse a gate). No torch import at module level.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from pytest_dnnsafety.errors import ConfigError
 
 __all__ = ["GRADIENT", "PROBE_INPUTS", "Cost", "Workload", "Estimate", "BudgetError", "one_pass", "per_input",
-           "probe", "estimate_for", "check_budget"]
+           "probe", "estimate_for", "over_budget", "check_budget"]
 
 #: Forwards one gradient step costs (a forward and a backward, the backward about twice a forward).
 GRADIENT = 3.0
@@ -117,10 +117,15 @@ def _short(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
-def probe(model: Any, data: Any, device: str) -> tuple[float, int, tuple[int, ...] | None, Any] | None:
-    """``(seconds per single-input forward, inputs probed, one input's shape, the inputs)``: the fastest of three forwards of the
-    data's first :data:`PROBE_INPUTS` inputs (the first pays warm-up), or None when the model or data cannot be
-    probed (the gate's own run then names the problem)."""
+def probe(model: Any, data: Any, device: str, *, seconds: float = 0.05, timings: int = 25
+          ) -> tuple[float, int, tuple[int, ...] | None, Any] | None:
+    """``(seconds per single-input forward, inputs probed, one input's shape, the inputs)``: the fastest timed forward
+    of the data's first :data:`PROBE_INPUTS` inputs, or None when the model or data cannot be probed (the gate's own
+    run then names the problem).
+
+    One untimed warm-up, then at least two timed forwards, more while their total stays under ``seconds`` (at most
+    ``timings``): on a busy machine a forward can wait a whole scheduler slice, and noise only ever adds time, so the
+    fastest of several is the forward's own cost (a slow model still pays only three forwards)."""
     import torch
 
     from pytest_dnnsafety.data.forms import iter_batches
@@ -136,9 +141,10 @@ def probe(model: Any, data: Any, device: str) -> tuple[float, int, tuple[int, ..
         x = (x if x.is_floating_point() else x.float()).to(model_device(model, device))
         if not callable(model) or x.shape[0] == 0:
             return None
-        times = []
+        times: list[float] = []
         with torch.no_grad():
-            for _ in range(3):  # the first pays warm-up; the fastest of the others (a busy machine)
+            model(x)  # warm-up
+            while len(times) < 2 or (len(times) < timings and sum(times) < seconds):
                 start = time.perf_counter()
                 model(x)
                 times.append(time.perf_counter() - start)
@@ -147,6 +153,12 @@ def probe(model: Any, data: Any, device: str) -> tuple[float, int, tuple[int, ..
         return None
     finally:
         guard._PROBING.reset(token)
+
+
+def over_budget(estimate: Estimate, budget: Any) -> bool:
+    """Whether ``estimate`` exceeds the ``max_seconds`` setting ``budget`` (0 or None: no limit)."""
+    limit = getattr(budget, "value", budget)
+    return bool(limit) and estimate.seconds > limit
 
 
 def estimate_for(cost_fn: Callable[[Mapping[str, Any], Workload], Cost] | None, options: Mapping[str, Any],
@@ -171,9 +183,9 @@ def estimate_for(cost_fn: Callable[[Mapping[str, Any], Workload], Cost] | None, 
 def check_budget(estimate: Estimate, marker: str, budget: Any, sample: Any, n: int) -> None:
     """Raise :class:`BudgetError` when the estimate exceeds the ``max_seconds`` setting ``budget`` (a resolved setting;
     value 0 or None: no limit), naming the estimate, the budget and where it came from, and the knobs that shrink it."""
-    limit = getattr(budget, "value", budget)
-    if not limit or estimate.seconds <= limit:
+    if not over_budget(estimate, budget):
         return
+    limit = getattr(budget, "value", budget)
     source = getattr(budget, "source", "the setting")
     knobs = [f"sample=N (a seeded subsample: the data has {n} inputs"
              + (f", already sampled to {sample}" if sample else "") + ")", "fewer images in the data fixture"]
@@ -292,7 +304,7 @@ def monitor_cost(options: Mapping[str, Any], work: Workload) -> Cost:
 
 def overhead_cost(options: Mapping[str, Any], work: Workload) -> Cost:
     """Monitor overhead: fitting (about a pass), the monitor's shared pass, and the model alone timed
-    ``1 + repeats`` times (a warm-up, then the repeats whose median is taken)."""
+    ``1 + repeats`` times (a warm-up, then the repeats whose fastest is taken)."""
     repeats = int(options.get("repeats") or 1)
     per = 3.0 + repeats
     return per_input(per, f"{per:g} forwards (fit, the monitor's pass, the model timed 1 + {repeats} times)",

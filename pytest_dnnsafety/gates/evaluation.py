@@ -229,7 +229,7 @@ def _prepared(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContex
     :class:`~pytest_dnnsafety.gates.cost.BudgetError`) above ``max_seconds`` before any work. ``before`` receives the
     evidence: ``outputs_from`` (recorded predictions or the model), ``sample`` (N, seed, the indices' digest, the
     stratification) and ``cost_estimate``."""
-    from pytest_dnnsafety.gates.cost import check_budget
+    from pytest_dnnsafety.gates.cost import check_budget, over_budget
     from pytest_dnnsafety.gates.prepare import estimated, recorded, subsampled
 
     fixture_values, read = recorded(spec, fixture_values)  # recorded predictions: read, or the model run, or refused
@@ -238,6 +238,8 @@ def _prepared(spec: GateSpec, fixture_values: Mapping[str, Any], ctx: GateContex
     if sample is not None:
         before["sample"] = sample
     estimate = estimated(spec, fixture_values, ctx)
+    if estimate.per_forward is not None and over_budget(estimate, ctx.max_seconds):  # confirmed before refusing
+        estimate = estimated(spec, fixture_values, ctx, confirm=True)
     if estimate.per_forward is not None or spec.definition.cost is not None:  # a gate with model work, or a hook
         before["cost_estimate"] = estimate.to_details()
     check_budget(estimate, spec.marker, ctx.max_seconds, sample["n"] if sample else None,

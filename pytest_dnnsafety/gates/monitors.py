@@ -251,7 +251,7 @@ MAX_MONITOR_OVERHEAD = GateDef(
     threshold_range=(0.0, math.inf),
     params=(
         _MONITOR,
-        Param("repeats", (int,), 5, in_range(1, 1000), "give how many timed repetitions to take the median of"),
+        Param("repeats", (int,), 5, in_range(1, 1000), "give how many timed repetitions to take the fastest of"),
     ),
     fixtures={"model": "model", "data": "dataset", "fit_data": "monitor_data", "monitors": "monitors"},
     measure=_measure_overhead,

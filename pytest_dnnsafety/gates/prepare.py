@@ -134,9 +134,11 @@ def _table_rows(table: Any, indices: tuple[int, ...]) -> Any:
     return out
 
 
-def estimated(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Estimate:
+def estimated(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext, *, confirm: bool = False) -> Estimate:
     """The gate's estimate: its cost hook on the :class:`Workload` × the probed seconds per forward of its model on
-    its data (once per session per pair; under torchrun the slowest rank's)."""
+    its data (once per session per pair; under torchrun the slowest rank's). ``confirm``: also a longer probe (once
+    per session per pair), the faster of the two kept — asked before a refusal, so that a busy moment on a shared
+    machine does not refuse a gate."""
     from pytest_dnnsafety.data.forms import known_length
     from pytest_dnnsafety.runtime import torchrun as ranks
 
@@ -148,6 +150,10 @@ def estimated(spec: GateSpec, fx: Mapping[str, Any], ctx: GateContext) -> Estima
     if "model" in fx and data is not None and not isinstance(fx["model"], RecordedPredictions):  # recorded: no forward
         found = ctx.memo("cost-probe", (fx["model"], data), (ctx.device,),
                          lambda: probe(fx["model"], data, ctx.device))
+        if confirm and found is not None:
+            again = ctx.memo("cost-probe-confirmed", (fx["model"], data), (ctx.device,),
+                             lambda: probe(fx["model"], data, ctx.device, seconds=0.5, timings=200))
+            found = again if again is not None and again[0] < found[0] else found
     per, probed, shape, example = found if found is not None else (None, 0, None, None)
     if ranks.active():  # every rank must refuse or run alike: the slowest rank's time per forward
         times = [t for t in ranks.gather(per) if t is not None]

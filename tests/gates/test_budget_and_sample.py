@@ -87,6 +87,52 @@ def test_over_budget_is_refused_within_seconds_naming_the_estimate_and_knobs(gat
     assert cheap["details"]["cost_estimate"]["seconds_per_forward"] > 0
 
 
+HICCUP = """
+import time
+
+import pytest
+import torch
+
+from pytest_dnnsafety.engines.core import guard
+
+
+class Hiccup(torch.nn.Module):
+    \"\"\"The tiny linear reader, but its first three probed forwards wait 30 ms each: a busy spell on a shared machine.\"\"\"
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.slow = 3
+
+    def forward(self, x):
+        if guard.probing() and self.slow > 0:
+            self.slow -= 1
+            time.sleep(0.03)
+        return self.net(x)
+
+
+@pytest.fixture(scope="session")
+def model():
+    linear = torch.nn.Linear(16, 3)
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.zero_()
+        linear.weight[[0, 1, 2], [0, 1, 2]] = 10.0
+    return Hiccup(torch.nn.Sequential(torch.nn.Flatten(), linear)).eval()
+"""
+
+
+def test_a_busy_moment_during_the_probe_does_not_refuse_the_gate(gate_project: GateProject) -> None:
+    """The first probe reads 7.5 ms per forward (60 inputs: 0.45 s > max_seconds=0.2); a refusal is confirmed by
+    a second, longer probe first, which finds the forward's own cost, so the gate runs."""
+    project = _project(gate_project, {"cheap": 'min_scenario_accuracy(0.0, by=["light"], min_samples=1, max_seconds=0.2)'})
+    project.write("conftest.py", HICCUP)
+    result = project.run("--dnnsafety-json=evidence.json")
+    result.assert_outcomes(passed=1)
+    estimate = _gates(project)["cheap"]["details"]["cost_estimate"]
+    assert estimate["seconds_per_forward"] < 1e-3 and estimate["estimated_seconds"] < 0.2
+
+
 def test_budget_from_the_setting_and_zero_turns_it_off(gate_project: GateProject) -> None:
     project = _project(gate_project, {"attack": "max_adversarial_confidence_loss(1.0, eps=0.1, steps=300)"})
     result = project.run("--dnnsafety-json=evidence.json", "--dnnsafety-max-seconds=0.001")
