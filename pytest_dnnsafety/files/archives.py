@@ -37,7 +37,7 @@ from pytest_dnnsafety.files.parsing import open_regular
 
 __all__ = [
     "NotValid", "Refused", "check_torch_file", "weights_only_forced", "verify_crcs",
-    "describe_bytes", "describe_file", "open_zip", "read_member", "zip_kind", "first_line", "listing",
+    "describe_bytes", "describe_file", "describe_zip", "open_zip", "read_member", "zip_kind", "first_line", "listing",
 ]
 
 
@@ -264,9 +264,14 @@ def describe_file(path: Path) -> str:
                 names = archive.namelist()
         except NotValid:
             return describe_bytes(head, size)
-        kind = zip_kind(names)
-        return _ZIP_KIND_NAMES[kind] if kind else f"a zip archive with members {names[:5]}"
+        return describe_zip(names)
     return describe_bytes(head, size)
+
+
+def describe_zip(names: Sequence[str]) -> str:
+    """What a zip archive with these member names is, for 'found …' in error messages."""
+    kind = zip_kind(names)
+    return _ZIP_KIND_NAMES[kind] if kind else f"a zip archive with members {list(names[:5])}"
 
 
 def read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:

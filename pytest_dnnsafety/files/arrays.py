@@ -11,6 +11,7 @@ at the declared size. No pytest import.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import zipfile
@@ -18,7 +19,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Any
 
-from pytest_dnnsafety.files.archives import NotValid, Refused, describe_bytes, describe_file, open_zip
+from pytest_dnnsafety.files.archives import NotValid, Refused, describe_bytes, describe_file, describe_zip, open_zip
 from pytest_dnnsafety.files.parsing import format_bytes, open_regular
 
 __all__ = ["LARGE_FIX", "TooLarge", "npy_header", "read_npy", "read_npz"]
@@ -83,27 +84,40 @@ def read_npy(stream: IO[bytes], label: str, size: int, budget: int) -> Any:
         raise NotValid(f"a truncated or damaged .npy array in {label} ({type(exc).__name__}: {exc})") from None
 
 
+def _zip_of(raw: bytes) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(io.BytesIO(raw))
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError):
+        raise NotValid(describe_bytes(raw[:512], len(raw))) from None
+
+
 #: The most a deflate stream expands (1032:1), with room for a tiny member's headers.
 _DEFLATE_RATIO = 1032
 
 
-def read_npz(path: Path, budget: int) -> dict[str, Any]:
+def read_npz(path: Path, budget: int, raw: bytes | None = None) -> dict[str, Any]:
     """Every ``.npy`` member of an .npz archive, CRC-checked, keyed as :func:`numpy.load` keys them.
 
     Every member's declared size is checked before anything is decompressed: one beyond what its
     compression can expand to is a forged archive (:class:`NotValid`), a total over ``budget`` is
     :class:`TooLarge`, naming each member, its size and its compression ratio. Members are then
-    decompressed as streams, which :mod:`zipfile` stops at the declared size.
+    decompressed as streams, which :mod:`zipfile` stops at the declared size. ``raw``: the file's bytes, read
+    already (:func:`~.parsing.read_bounded`), parsed instead of opening ``path`` again.
     """
-    with open_regular(path) as handle:
-        head = handle.read(512)
-        size = os.fstat(handle.fileno()).st_size
+    if raw is None:
+        with open_regular(path) as handle:
+            head = handle.read(512)
+            size = os.fstat(handle.fileno()).st_size
+    else:
+        head, size = raw[:512], len(raw)
     if not head.startswith(b"PK\x03\x04"):
         raise NotValid(describe_bytes(head, size))
-    with open_zip(path) as archive:
+    with (open_zip(path) if raw is None else _zip_of(raw)) as archive:
         members = [info for info in archive.infolist() if info.filename.endswith(".npy")]
         if not members:
-            raise NotValid(describe_file(path))
+            if raw is None:
+                raise NotValid(describe_file(path))
+            raise NotValid(describe_zip(archive.namelist()))
 
         def shown(info: zipfile.ZipInfo) -> str:
             ratio = f", {info.file_size / max(info.compress_size, 1):,.0f}:1" if info.compress_type else ""

@@ -5,7 +5,7 @@
 when a batch asks for them (streamed, never all held):
 
 * **the JSON** is read whole after its size is checked against the read budget
-  (:func:`~pytest_dnnsafety.files.parsing.data_budget`), parsed by ``json.loads`` refusing ``NaN`` and
+  (:func:`~pytest_dnnsafety.files.parsing.read_json_file`; its sha256 is of the bytes parsed), refusing ``NaN`` and
   ``Infinity`` (not JSON) and nesting deeper than :data:`~pytest_dnnsafety.files.parsing.MAX_DEPTH`, then checked
   field by field: ``images[]`` ``id``, ``file_name``, ``width``, ``height``; ``categories[]`` ``id``, ``name``;
   ``annotations[]`` ``image_id`` and ``category_id`` (known ones), ``bbox`` ``[x, y, w, h]`` finite with
@@ -24,9 +24,7 @@ when a batch asks for them (streamed, never all held):
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -39,8 +37,7 @@ from torch import Tensor
 from pytest_dnnsafety.data.tasks import BoxSet, DetectionData
 from pytest_dnnsafety.errors import DataError
 from pytest_dnnsafety.files.arrays import TooLarge, read_npy
-from pytest_dnnsafety.files.parsing import (MAX_DEPTH, NotRegularFile, TooDeep, check_depth, data_budget,
-                                            format_bytes, open_regular)
+from pytest_dnnsafety.files.parsing import NotRegularFile, data_budget, open_regular, read_json_file
 
 __all__ = ["MAX_IMAGE_PIXELS", "CocoAnnotations", "CocoDetectionData", "from_coco", "read_annotations"]
 
@@ -66,44 +63,12 @@ class CocoAnnotations:
     targets: BoxSet
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _read_json(path: Path, what: str) -> tuple[Any, str]:
-    budget = data_budget()
-    try:
-        with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > budget:
-                raise DataError(f"{what}: {path} is {format_bytes(size)}, more than the read budget of "
-                                f"{format_bytes(budget)} for one data file; refused before reading. Fix: split the "
-                                "annotations into smaller files or evaluate a subset.")
-            raw = f.read(budget + 1)
-    except FileNotFoundError:
-        raise DataError(f"{what}: the annotations file {path} does not exist. Fix: check the path.") from None
-    except NotRegularFile as exc:
-        raise DataError(f"{what}: {exc}") from None
-    if len(raw) > budget:  # grew while being read
-        raise DataError(f"{what}: {path} holds more than the read budget of {format_bytes(budget)}.")
-    try:
-        value = check_depth(json.loads(raw, parse_constant=_refuse_constant), MAX_DEPTH)
-    except RecursionError:
-        raise DataError(f"{what}: {path}: {TooDeep(MAX_DEPTH)}.") from None
-    except TooDeep as exc:
-        raise DataError(f"{what}: {path}: {exc}.") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{what}: {path} is not valid JSON ({exc}). Fix: write it with json.dump (NaN and "
-                        "Infinity are not JSON numbers: give finite values).") from None
-    return value, "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
 class _Problems:
@@ -139,7 +104,7 @@ def _records(doc: dict[str, Any], key: str, p: _Problems, required: bool = True)
 def read_annotations(path: str | os.PathLike[str], what: str = "detection data") -> CocoAnnotations:
     """The checked annotations of a COCO JSON file (see the module docstring); DataError naming every problem."""
     path = Path(path)
-    doc, digest = _read_json(path, what)
+    doc, digest = read_json_file(path, what, "split the annotations into smaller files or evaluate a subset.")
     p = _Problems(what, path)
     if not isinstance(doc, dict):
         p.add("the document", f"must be an object with images, annotations and categories, got {type(doc).__name__}")

@@ -403,12 +403,13 @@ _DATA_FIX = {
 }
 
 
-def read_array_file(path: Path, what: str, budget: int | None = None) -> Any:
+def read_array_file(path: Path, what: str, budget: int | None = None, raw: bytes | None = None) -> Any:
     """The contents of a data file: a dict of arrays (.npz), an array (.npy) or torch.load's result (.pt).
 
     ``budget``: the most bytes of array data to read (default :func:`~.parsing.data_budget`); a file
     declaring more is refused before its data is read. A path that is not a regular file is refused
-    before it is opened.
+    before it is opened. ``raw`` (.npy and .npz only): the file's bytes, read already
+    (:func:`~.parsing.read_bounded`) and fingerprinted by the caller, parsed instead of reading ``path`` again.
     """
     suffix = path.suffix.lower()
     if suffix not in _DATA_SUFFIXES:
@@ -421,7 +422,13 @@ def read_array_file(path: Path, what: str, budget: int | None = None) -> Any:
     fix = _DATA_FIX.get(suffix, _DATA_FIX[".pt"])
     try:
         if suffix == ".npz":
-            return read_npz(path, budget)
+            return read_npz(path, budget, raw)
+        if suffix == ".npy" and raw is not None:
+            if not raw.startswith(b"\x93NUMPY"):
+                raise NotValid(describe_bytes(raw[:512], len(raw)))
+            return read_npy(io.BytesIO(raw), path.name, len(raw), budget)
+        if raw is not None:
+            raise ValueError(f"read_array_file: raw bytes are read for .npy and .npz only, not {suffix}")
         if suffix == ".npy":
             with open_regular(path) as handle:
                 head = handle.read(512)

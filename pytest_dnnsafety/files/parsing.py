@@ -25,6 +25,7 @@ No file the plugin reads needs more than a handful of levels (an evidence file a
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -34,7 +35,8 @@ from typing import IO, Any
 
 __all__ = [
     "MAX_DEPTH", "TooDeep", "check_depth", "loads_json", "loads_toml",
-    "NotRegularFile", "not_regular", "open_regular", "open_text", "data_budget", "format_bytes",
+    "NotRegularFile", "not_regular", "open_regular", "open_text", "data_budget", "format_bytes", "read_bounded",
+    "read_json_file",
 ]
 
 
@@ -196,3 +198,57 @@ def loads_toml(text: str, limit: int = MAX_DEPTH) -> dict[str, Any]:
     except RecursionError:
         raise TooDeep(limit) from None
     return check_depth(value, limit)
+
+
+# ------------------------------------------------------------------------------------ reading whole files
+
+
+def read_bounded(path: Path, what: str, too_large_fix: str) -> bytes:
+    """Every byte of ``path``, read once by :func:`open_regular`: a file larger than :func:`data_budget` is refused
+    from its size before anything is read (``too_large_fix`` says what to do), as is one that grows past it while
+    being read. Parse and fingerprint these bytes, so the evidence names exactly what was evaluated. Every problem
+    is a :class:`~pytest_dnnsafety.errors.DataError` naming ``what`` and the path."""
+    from pytest_dnnsafety.errors import DataError
+
+    budget = data_budget()
+    try:
+        with open_regular(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > budget:
+                raise DataError(f"{what}: {path} is {format_bytes(size)}, more than the read budget of "
+                                f"{format_bytes(budget)} for one data file; refused before reading. Fix: {too_large_fix}")
+            raw = handle.read(budget + 1)
+    except FileNotFoundError:
+        raise DataError(f"{what}: {path} does not exist. Fix: check the path (a setting's relative path is resolved "
+                        "against the ini file's folder).") from None
+    except NotRegularFile as exc:
+        raise DataError(f"{what}: {exc}; refused before reading it. Fix: point the setting at a regular file.") from None
+    if len(raw) > budget:
+        raise DataError(f"{what}: {path} grew past the read budget of {format_bytes(budget)} while being read. "
+                        "Fix: let whatever writes it finish first.")
+    return raw
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_json_file(path: Path, what: str, too_large_fix: str) -> tuple[Any, str]:
+    """``(the parsed value, "sha256:<hex> of the bytes parsed")`` of a JSON file read by :func:`read_bounded`:
+    ``NaN`` and ``Infinity`` refused (not JSON numbers), nesting limited to :data:`MAX_DEPTH` levels; every
+    problem a :class:`~pytest_dnnsafety.errors.DataError` naming ``what`` and the path."""
+    from pytest_dnnsafety.errors import DataError
+
+    raw = read_bounded(path, what, too_large_fix)
+    try:
+        try:
+            value = json.loads(raw, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise TooDeep(MAX_DEPTH) from None
+        check_depth(value, MAX_DEPTH)
+    except TooDeep as exc:
+        raise DataError(f"{what}: {path}: {exc}.") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{what}: {path} is not valid JSON ({exc}). Fix: write it with json.dump (NaN and "
+                        "Infinity are not JSON numbers: give finite values).") from None
+    return value, "sha256:" + hashlib.sha256(raw).hexdigest()

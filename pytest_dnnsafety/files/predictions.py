@@ -10,6 +10,10 @@ on the evaluation data:
   joined to the data's images by ``image_id`` (``data.image_ids``: COCO data) and to its labels by
   ``category_id`` (label ``i`` is ``data.category_ids[i]``); ``bbox`` becomes ``x1, y1, x2, y2``.
 
+The file is read once, within the read budget (:func:`~pytest_dnnsafety.files.parsing.read_bounded`); its ``sha256``
+is of the bytes parsed, so the evidence names what was evaluated even if the file changes afterwards (a JSON file
+refuses ``NaN``/``Infinity`` and deep nesting; arrays are never unpickled).
+
 A :class:`RecordedPredictions` is pure data: the rows (or the packed detections), the file and its ``sha256``, the
 data object the rows belong to (row ``i`` is sample ``i`` of it) and ``model``, the real model when one was given
 too (else None). The session's shared pass (:class:`~pytest_dnnsafety.engines.core.capture.ActivationCache`)
@@ -35,8 +39,7 @@ from torch import Tensor
 from pytest_dnnsafety.data.forms import as_tensors, detection_source, iter_batches, known_length
 from pytest_dnnsafety.data.tasks import BoxSet, DetectionData
 from pytest_dnnsafety.errors import ConfigError, DataError
-from pytest_dnnsafety.files.parsing import (MAX_DEPTH, NotRegularFile, TooDeep, data_budget, format_bytes, loads_json,
-                                            open_regular)
+from pytest_dnnsafety.files.parsing import read_bounded, read_json_file
 
 __all__ = ["ARRAY_KEYS", "SUFFIXES", "RecordedPredictions", "read_predictions"]
 
@@ -122,14 +125,6 @@ class RecordedPredictions:
         return None, self.detections.images(start, stop)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open_regular(path) as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
-
-
 def read_predictions(path: Path, data: Any, model: Any = None, *, ids: str = "coco",
                      what: str = "recorded predictions") -> RecordedPredictions:
     """:meth:`RecordedPredictions.from_file` (see there); every problem a :class:`DataError` naming the file."""
@@ -141,18 +136,13 @@ def read_predictions(path: Path, data: Any, model: Any = None, *, ids: str = "co
     if suffix not in SUFFIXES:
         raise DataError(f"{label}: {suffix or 'no suffix'} is not a predictions format. Fix: give class scores or "
                         "logits as .npy/.npz (one row per evaluation sample) or detections as a COCO results .json.")
-    try:
-        sha = _sha256(path)
-    except FileNotFoundError:
-        raise DataError(f"{label}: the file does not exist. Fix: check the path (relative paths are resolved "
-                        "against the ini file's folder).") from None
-    except NotRegularFile as exc:
-        raise DataError(f"{label}: {exc}") from None
     n = known_length(data)
     if suffix == ".json":
-        boxes, classes = _coco_results(path, data, n, ids, label)
+        boxes, classes, sha = _coco_results(path, data, n, ids, label, what)
         return RecordedPredictions(str(path), sha, data, detections=boxes, num_classes=classes, model=model)
-    rows = _score_rows(path, label)
+    raw = read_bounded(path, what, "record fewer samples per file (split the evaluation) or evaluate a subset.")
+    sha = "sha256:" + hashlib.sha256(raw).hexdigest()  # the bytes parsed below: the evidence names what was read
+    rows = _score_rows(path, label, raw)
     if n is not None and int(rows.shape[0]) != n:
         raise DataError(f"{label}: the file holds {int(rows.shape[0])} rows but the evaluation data hold {n} samples; "
                         "recorded predictions need one row per evaluation sample, in the data's order. Fix: record "
@@ -161,12 +151,12 @@ def read_predictions(path: Path, data: Any, model: Any = None, *, ids: str = "co
     return RecordedPredictions(str(path), sha, data, rows=rows, model=model)
 
 
-def _score_rows(path: Path, label: str) -> Tensor:
+def _score_rows(path: Path, label: str, raw: bytes) -> Tensor:
     from pytest_dnnsafety.files.loading import (
         read_array_file,  # the bounded, unpickling-free array reader
     )
 
-    raw = read_array_file(path, label)
+    raw = read_array_file(path, label, raw=raw)
     if isinstance(raw, Mapping):
         keys = [key for key in ARRAY_KEYS if key in raw]
         if len(raw) == 1:
@@ -203,29 +193,14 @@ def _score_rows(path: Path, label: str) -> Tensor:
     return rows
 
 
-def _read_json(path: Path, label: str) -> Any:
-    budget = data_budget()
-    with open_regular(path) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > budget:
-            raise DataError(f"{label}: the file is {format_bytes(size)}, more than the read budget of "
-                            f"{format_bytes(budget)}; refused before reading. Fix: record fewer detections per image "
-                            "(a score floor) or evaluate a subset.")
-        raw = handle.read(budget + 1)
-    try:
-        return loads_json(raw, MAX_DEPTH)
-    except (TooDeep, RecursionError):
-        raise DataError(f"{label}: nested deeper than {MAX_DEPTH} levels; a COCO results file is a flat list.") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{label}: not valid JSON ({exc}). Fix: write it with json.dump.") from None
-
-
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
 
 
-def _coco_results(path: Path, data: Any, n: int | None, ids: str, label: str) -> tuple[BoxSet, int | None]:
-    """The COCO results of ``path`` packed per image of ``data`` (in the data's order), and the class count."""
+def _coco_results(path: Path, data: Any, n: int | None, ids: str, label: str, what: str
+                  ) -> tuple[BoxSet, int | None, str]:
+    """The COCO results of ``path`` packed per image of ``data`` (in the data's order), the class count and the
+    sha256 of the bytes parsed."""
     if n is None:
         raise DataError(f"{label}: the evaluation data's length is unknown without reading it, so the results' images "
                         "cannot be placed. Fix: give sized detection data (COCO data, DetectionData).")
@@ -248,7 +223,7 @@ def _coco_results(path: Path, data: Any, n: int | None, ids: str, label: str) ->
         if len(row_of) != n:
             raise DataError(f"{label}: the data list {len(row_of)} distinct image ids for {n} images. Fix: one id "
                             "per image.")
-    doc = _read_json(path, label)
+    doc, sha = read_json_file(path, what, "record fewer detections per image (a score floor) or evaluate a subset.")
     if not isinstance(doc, list):
         raise DataError(f"{label}: a COCO results file is a JSON list of detections, got {type(doc).__name__}. Fix: "
                         "write [{\"image_id\", \"category_id\", \"bbox\": [x, y, w, h], \"score\"}, ...].")
@@ -291,7 +266,7 @@ def _coco_results(path: Path, data: Any, n: int | None, ids: str, label: str) ->
     packed = BoxSet(torch.tensor(boxes, dtype=torch.float64).reshape(-1, 4)[order],
                     torch.tensor(labels, dtype=torch.int64)[order], row[order], n,
                     torch.tensor(scores, dtype=torch.float64)[order])
-    return packed, classes
+    return packed, classes, sha
 
 
 def data_labels(data: Any, batch_size: int = 256) -> tuple[Any, int]:

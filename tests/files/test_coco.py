@@ -14,7 +14,7 @@ import torch
 
 from pytest_dnnsafety.data.tasks import DetectionData
 from pytest_dnnsafety.errors import DataError
-from pytest_dnnsafety.files import coco
+from pytest_dnnsafety.files import coco, parsing
 from pytest_dnnsafety.files.coco import from_coco, read_annotations
 
 
@@ -116,7 +116,7 @@ def test_hostile_json_is_a_data_error(tmp_path, text: str, words: str) -> None:
 
 def test_a_file_above_the_budget_is_refused_before_reading(tmp_path, monkeypatch) -> None:
     path = write(tmp_path, doc(), images=False)
-    monkeypatch.setattr(coco, "data_budget", lambda: 100)
+    monkeypatch.setattr(parsing, "data_budget", lambda: 100)
     with pytest.raises(DataError, match="read budget"):
         read_annotations(path)
 

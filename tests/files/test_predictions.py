@@ -249,7 +249,35 @@ def test_a_results_file_that_is_not_a_list_or_not_json(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="a JSON list of detections"):
         RecordedPredictions.from_file(tmp_path / "dict.json", data)
     (tmp_path / "nan.json").write_text('[{"image_id": 1000, "category_id": 7, "bbox": [0, 0, 1, 1], "score": NaN}]')
-    with pytest.raises(DataError, match="score"):
+    with pytest.raises(DataError, match="NaN is not a JSON number"):
         RecordedPredictions.from_file(tmp_path / "nan.json", data)
+    (tmp_path / "deep.json").write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(DataError, match="nested more than"):
+        RecordedPredictions.from_file(tmp_path / "deep.json", data)
+    with pytest.raises(DataError, match="does not exist"):
+        RecordedPredictions.from_file(tmp_path / "missing.json", data)
     with pytest.raises(DataError, match="not a predictions format"):
         RecordedPredictions.from_file(tmp_path / "p.csv", data)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".json"])
+def test_the_fingerprint_is_of_the_bytes_parsed_and_the_read_is_bounded(classified, tmp_path: Path, monkeypatch,
+                                                                         suffix: str) -> None:
+    """The file is read once: its sha256 is of the bytes the rows came from; a file over the read budget is refused
+    from its size, before reading."""
+    from pytest_dnnsafety.files import parsing
+
+    net, data, root, logits = classified
+    if suffix == ".json":
+        data, path = _blobs(), tmp_path / "r.json"
+        path.write_text(json.dumps([{"image_id": 1000, "category_id": 7, "bbox": [0, 0, 2, 2], "score": 0.5}]))
+    elif suffix == ".npz":
+        path = tmp_path / "r.npz"
+        np.savez_compressed(path, logits=logits.numpy())
+    else:
+        path = root / "logits.npy"
+    recorded = RecordedPredictions.from_file(path, data)
+    assert recorded.sha256 == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    monkeypatch.setattr(parsing, "data_budget", lambda: 20)
+    with pytest.raises(DataError, match=r"more than the read budget of 20 bytes.*refused before reading"):
+        RecordedPredictions.from_file(path, data)
