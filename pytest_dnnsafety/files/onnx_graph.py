@@ -34,6 +34,8 @@ package is imported lazily (the ``[onnx]`` extra); no onnxruntime here.
 
 from __future__ import annotations
 
+import math
+
 import operator
 from typing import Any, Callable
 
@@ -55,6 +57,14 @@ _FIX = ("Fix: export a model built only from these operators (for a final Softma
 #: Operators that compute shapes, folded when all their inputs are constants or shapes.
 _SHAPE_OPS = {"Shape", "Gather", "Unsqueeze", "Concat", "Cast", "Slice", "Squeeze", "Constant", "ConstantOfShape",
               "Mul", "Div", "Add", "Sub", "Identity", "Reshape"}
+#: Operators computed now when all their inputs are constants (ONNX's reference semantics): the exporter's shape
+#: arithmetic, and initializers it shared through ``Identity`` (equal weights are stored once).
+_FOLD = {"Identity", "Cast", "Unsqueeze", "Squeeze", "Concat", "Gather", "Reshape", "Slice", "Transpose", "Flatten",
+         "Mul", "Div", "Add", "Sub", "Neg", "Sqrt", "Reciprocal", "Pow", "Equal", "Where", "ConstantOfShape", "Shape"}
+#: The batch size shape inference assumes for a graph with a dynamic batch axis (a prime no layer is likely to have).
+_PROBE_BATCH = 1031
+#: The largest constant folding may make (elements): a hostile graph cannot make us allocate more.
+_FOLD_MAX = 1 << 24
 
 
 class OnnxTranslation(fx.GraphModule):
@@ -78,8 +88,15 @@ class _Translator:
         import onnx
         from onnx import numpy_helper
 
-        try:
-            proto = onnx.shape_inference.infer_shapes(proto)
+        try:  # with a fixed batch size and values propagated, `x.view(x.size(0), -1)` gets a static shape too
+            fixed = onnx.ModelProto()
+            fixed.CopyFrom(proto)
+            constants = {init.name for init in fixed.graph.initializer}
+            for value in fixed.graph.input:
+                dims = value.type.tensor_type.shape.dim
+                if value.name not in constants and len(dims) and not dims[0].HasField("dim_value"):
+                    dims[0].dim_value = _PROBE_BATCH
+            proto = onnx.shape_inference.infer_shapes(fixed, data_prop=True)
         except Exception:  # noqa: BLE001 - shapes are a help for Reshape only; without them Reshape needs constants
             pass
         self.graph_proto = proto.graph
@@ -94,6 +111,7 @@ class _Translator:
             self.shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
         self.problems: dict[str, list[str]] = {}
         self._count = 0
+        self.opsets = {o.domain or "": o.version for o in proto.opset_import}
 
     # -- values ---------------------------------------------------------------------------------------------------
     def const(self, name: str) -> Tensor | None:
@@ -140,7 +158,8 @@ class _Translator:
             try:
                 self.visit(node)
             except _Refused as exc:
-                self.problems.setdefault(node.op_type, []).append(f"node {node.name or node.output[0]!r}: {exc}")
+                why = f": {exc}" if str(exc) else ""
+                self.problems.setdefault(node.op_type, []).append(f"node {node.name or node.output[0]!r}{why}")
                 for out in node.output:
                     self.env[out] = ("refused", None)
         outs = [self.env.get(o.name) for o in self.graph_proto.output]
@@ -168,7 +187,13 @@ class _Translator:
                 raise _Refused(f"holds a {a.name!r} constant (only tensor constants are supported)")
             self.env[node.output[0]] = ("const", torch.from_numpy(value.copy()))
             return
-        if "tensor" not in kinds:  # shape arithmetic and constants: folded; a Reshape reads inferred shapes
+        if op == "Shape" and kinds == {"tensor"}:  # a computed tensor's shape: only shape arithmetic may read it
+            self.env[node.output[0]] = ("shape", None)
+            return
+        if kinds <= {"const"} and op in _FOLD:  # constants only: computed now
+            self.fold(node, ins)
+            return
+        if "tensor" not in kinds:  # shape arithmetic on a computed shape: a Reshape reads inferred shapes instead
             if op not in _SHAPE_OPS:
                 raise _Refused("computes on constants with an operator the translation does not fold")
             for out in node.output:
@@ -178,6 +203,36 @@ class _Translator:
         if handler is None:
             raise _Refused("")
         self.env[node.output[0]] = handler(self, node, ins, _attrs(node))
+
+    def fold(self, node: Any, ins: list[str]) -> None:
+        """The outputs of ``node`` on constant inputs, by ONNX's reference evaluator (bounded in size)."""
+        import numpy as np
+        from onnx.reference import ReferenceEvaluator
+
+        values = [self.const(i).numpy() if i else None for i in ins]
+        given = [v for v in values if v is not None]
+        try:  # the output's size in Python integers (numpy's products wrap around for a forged shape)
+            if node.op_type == "ConstantOfShape":
+                dims = [int(d) for d in given[0].ravel()] if given else []
+                size = math.prod(dims) if all(d >= 0 for d in dims) else _FOLD_MAX + 1
+            elif node.op_type in ("Mul", "Div", "Add", "Sub", "Pow", "Equal", "Where"):
+                size = math.prod(int(d) for d in np.broadcast_shapes(*(v.shape for v in given)))
+            elif node.op_type == "Gather":
+                axis = int(_attrs(node).get("axis", 0))
+                size = given[1].size * given[0].size // max(1, given[0].shape[axis] if given[0].ndim else 1)
+            else:
+                size = sum(v.size for v in given)
+        except (ValueError, IndexError) as exc:
+            raise _Refused(f"has constant inputs of shapes that do not fit ({exc})") from None
+        if size > _FOLD_MAX:
+            raise _Refused(f"would make a constant of {size} elements (at most {_FOLD_MAX} are folded)")
+        try:
+            outs = ReferenceEvaluator(node, opsets=self.opsets).run(
+                None, {i: v for i, v in zip(ins, values) if i and v is not None})
+        except Exception as exc:  # noqa: BLE001 - named in the refusal
+            raise _Refused(f"could not be computed on its constant inputs ({type(exc).__name__}: {str(exc)[:120]})")
+        for name, value in zip(node.output, outs):
+            self.env[name] = ("const", torch.from_numpy(np.array(value, copy=True)))
 
     def _kind(self, name: str) -> str:
         value = self.env.get(name)

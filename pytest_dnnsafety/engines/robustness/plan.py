@@ -144,9 +144,13 @@ class ClassifierAttack(AttackPlan):
         """:func:`~.confidence.assess_adversarial_confidence` of the plan (``shard``: this rank's batches)."""
         from pytest_dnnsafety.engines.robustness.confidence import assess_adversarial_confidence
 
-        return assess_adversarial_confidence(model, data, self.named, self.budget, batch_size=batch_size,
-                                             device=device, seed=seed, clip=self.clip, outputs=self.outputs,
-                                             shard=shard)
+        note = gradient_note(model, self.named)  # an ONNX graph: translated (or refused by name) before any work
+        result = assess_adversarial_confidence(model, data, self.named, self.budget, batch_size=batch_size,
+                                               device=device, seed=seed, clip=self.clip, outputs=self.outputs,
+                                               shard=shard)
+        if note:  # kept with the (memoised) result, for every gate that reads it
+            object.__setattr__(result, "gradients", note)
+        return result
 
     def no_signal(self, result: Any) -> str | None:
         """Why the loss says nothing (:func:`at_chance`), else None."""
@@ -155,13 +159,13 @@ class ClassifierAttack(AttackPlan):
     def loss_report(self, result: Any) -> dict[str, Any]:
         """``detail`` and ``details`` of the confidence loss."""
         return {"detail": f"{self.setup()}: {result.detail()}",
-                "details": {**result.to_details(), "setup": self.setup()}}
+                "details": {**result.to_details(), "setup": self.setup(), **_gradients(result)}}
 
     def accuracy_report(self, result: Any) -> dict[str, Any]:
         per_family = ", ".join(f"{name} {acc:.3f}" for name, acc in zip(result.family_names, result.robust_accuracy))
         detail = (f"{self.setup()}: robust accuracy {result.robust_accuracy_all:.3f} under all families "
                   f"(clean {result.clean_accuracy:.3f}; {per_family}), n={result.n}")
-        return {"detail": detail, "details": {**result.to_details(), "setup": self.setup()}}
+        return {"detail": detail, "details": {**result.to_details(), "setup": self.setup(), **_gradients(result)}}
 
 
 class DetectorAttack(AttackPlan):
@@ -205,6 +209,25 @@ class DetectorAttack(AttackPlan):
                   f"n={result.n} objects")
         return {"detail": detail,
                 "details": {**result.to_details(), "setup": self.setup(), "units": "ground-truth objects"}}
+
+
+def gradient_note(model: Any, families: Mapping[str, Any]) -> str | None:
+    """For an ONNX model (:class:`~pytest_dnnsafety.files.onnx_model.OnnxModel`) and a gradient family: what the
+    gradients are computed on (its graph translated into torch layers, checked against onnxruntime; every prediction
+    stays onnxruntime's). The translation is built here, so a graph it cannot go through is refused, its operators
+    named, before any model run. None otherwise."""
+    from pytest_dnnsafety.files.onnx_model import is_onnx_model
+
+    if not is_onnx_model(model) or not any(getattr(f, "gradient", False) for f in families.values()):
+        return None
+    translated = model.translated(ConfigError)
+    return (f"attack gradients from the ONNX graph translated into torch layers ({translated.onnx_nodes} nodes, "
+            f"checked against onnxruntime); predictions from onnxruntime")
+
+
+def _gradients(result: Any) -> dict[str, str]:
+    note = getattr(result, "gradients", None)
+    return {"gradients": note} if note else {}
 
 
 def at_chance(result: Any) -> str | None:

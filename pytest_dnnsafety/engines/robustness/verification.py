@@ -324,6 +324,7 @@ def verify_robustness(
     from pytest_dnnsafety.engines.bounds.model import BoundedModel
     from pytest_dnnsafety.engines.bounds.box import input_box, outside_clip, outside_clip_error
     from pytest_dnnsafety.engines.bounds.export import export_mismatch
+    from pytest_dnnsafety.files.onnx_model import is_onnx_model
 
     eps = _check_eps(eps)
     method = _check_method(method)
@@ -365,12 +366,14 @@ def verify_robustness(
         if clip is not None:
             valid &= ((x >= clip[0]) & (x <= clip[1])).flatten(1).all(dim=1)
         lo, hi = input_box(x, eps, clip, check=False)
-        mismatch = export_mismatch(bounded.model, x, logits)  # a .pt2: its translated graph must give its logits
+        mismatch = export_mismatch(bounded.model, x, logits)  # a .pt2/.onnx: its translated graph must give its logits
         if mismatch is not None:
-            runner.flag("export", valid & mismatch, batch, "certified robustness: on batch {first} the translated graph "
-                        "of the torch.export program computes other logits than the program, so its bounds would not "
-                        "be about the artifact. Fix: please report this with the program; meanwhile use the "
-                        "attack-based robustness gates.")
+            onnx = is_onnx_model(model)
+            what, own = ("ONNX graph", "onnxruntime") if onnx else ("torch.export program", "the program")
+            runner.flag("export", valid & mismatch, batch, f"certified robustness: on batch {{first}} the translated "
+                        f"graph of the {what} computes other logits than {own}, so its bounds would not be about the "
+                        f"artifact. Fix: please report this with the model file; meanwhile use the attack-based "
+                        f"robustness gates.")
         # IBP for every input first (a few model passes), then, unless method="ibp", the attack on the inputs left
         # undecided, and the tighter bounds only on those it does not falsify ("attacks first")
         margins = bounded.margin_lower_bounds(lo, hi, y, "ibp", check=False)
