@@ -104,17 +104,18 @@ def test_the_refusal_names_the_untranslated_operator_not_the_shape_arithmetic_be
     assert "Transpose" not in str(err.value).split("The translation covers")[0]
 
 
-def test_constant_folding_is_bounded() -> None:
+@pytest.mark.parametrize("dims, size", [([4100, 4100, 1, 1], "16810000"),
+                                        ([2**31, 2**31, 4, 1], str(2**64))])  # numpy's product wraps to 0
+def test_constant_folding_is_bounded(dims: list[int], size: str) -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    shape = helper.make_node("Constant", [], ["s"], value=helper.make_tensor("v", TensorProto.INT64, [4],
-                                                                              [4100, 4100, 1, 1]))
+    shape = helper.make_node("Constant", [], ["s"], value=helper.make_tensor("v", TensorProto.INT64, [4], dims))
     fill = helper.make_node("ConstantOfShape", ["s"], ["c"], name="the_fill")
     add = helper.make_node("Add", ["x", "c"], ["y"], name="add")
     graph = helper.make_graph([shape, fill, add], "g", [x], [y])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     model = OnnxModel(proto.SerializeToString(), where="test model")
-    with pytest.raises(ConfigError, match=r"ConstantOfShape \(node 'the_fill': would make a constant of 16810000 "):
+    with pytest.raises(ConfigError, match=rf"ConstantOfShape \(node 'the_fill': would make a constant of {size} "):
         model.translated()
 
 
