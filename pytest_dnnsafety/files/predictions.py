@@ -5,7 +5,9 @@ on the evaluation data:
 
 * **class scores or logits**: ``.npy`` or ``.npz`` (one array, or the key ``logits``, ``scores``,
   ``probabilities`` or ``outputs``), ``(N, classes)`` floating, one row per evaluation sample in the data's
-  order; an ``(N,)`` integer array holds predicted class indices (a label-returning model);
+  order; an ``(N,)`` integer array holds predicted class indices (a label-returning model); an ``.npz`` may add
+  ``ids`` (or ``image_ids``), one integer per row naming its sample (the data's COCO image id, else its row
+  index): the rows are then joined to the data by them, in any order, each sample exactly once;
 * **detections**: a COCO results JSON, a list of ``{"image_id", "category_id", "bbox": [x, y, w, h], "score"}``,
   joined to the data's images by ``image_id`` (``data.image_ids``: COCO data) and to its labels by
   ``category_id`` (label ``i`` is ``data.category_ids[i]``); ``bbox`` becomes ``x1, y1, x2, y2``.
@@ -41,10 +43,13 @@ from pytest_dnnsafety.data.tasks import BoxSet, DetectionData
 from pytest_dnnsafety.errors import ConfigError, DataError
 from pytest_dnnsafety.files.parsing import read_bounded, read_json_file
 
-__all__ = ["ARRAY_KEYS", "SUFFIXES", "RecordedPredictions", "read_predictions"]
+__all__ = ["ARRAY_KEYS", "ID_KEYS", "SUFFIXES", "RecordedPredictions", "read_predictions"]
 
 #: The keys an ``.npz`` of recorded scores may use (or hold a single array under any key).
 ARRAY_KEYS = ("logits", "scores", "probabilities", "outputs")
+#: The keys of an optional ``(N,)`` integer array in the ``.npz`` naming each row's sample: the data's COCO image id
+#: (COCO data) or its row index; the rows are then joined to the data by it instead of trusted to be in order.
+ID_KEYS = ("ids", "image_ids")
 #: The file kinds read.
 SUFFIXES = (".npy", ".npz", ".json")
 _SHOWN = 5
@@ -59,7 +64,9 @@ class RecordedPredictions:
     images, None for scores); ``num_classes``: the detector's classes (the data's categories) or None;
     ``path``/``sha256``: the file read; ``data``: the data object row ``i`` belongs to; ``model``: the real model
     given together with the predictions (run by the gates that need one), else None; ``rows_of``: the file's rows
-    this object holds (None: all of them, in order; a subsample's or shard's view keeps their indices).
+    this object holds (None: all of them, in order; a subsample's or shard's view keeps their indices);
+    ``aligned_by``: how the rows were matched to the data's samples (``"row order"``: trusted, unverifiable;
+    ``"ids"``: joined on the ``.npz``'s ids; ``"image_id"``: a COCO results file's image ids).
     """
 
     path: str
@@ -70,6 +77,7 @@ class RecordedPredictions:
     num_classes: int | None = None
     model: Any = None
     rows_of: tuple[int, ...] | None = None
+    aligned_by: str = "row order"
 
     # -- reading
 
@@ -103,7 +111,7 @@ class RecordedPredictions:
         return {"file": self.path, "sha256": self.sha256, "rows": self.n_rows,
                 "kind": "detections (COCO results)" if self.is_detection else
                 ("predicted classes" if self.rows is not None and self.rows.ndim == 1 else "class scores"),
-                "model_run": False,
+                "model_run": False, "aligned_by": self.aligned_by,
                 **({"rows_of_file": len(self.rows_of)} if self.rows_of is not None else {})}
 
     def take(self, indices: Sequence[int], data: Any) -> RecordedPredictions:
@@ -139,25 +147,67 @@ def read_predictions(path: Path, data: Any, model: Any = None, *, ids: str = "co
     n = known_length(data)
     if suffix == ".json":
         boxes, classes, sha = _coco_results(path, data, n, ids, label, what)
-        return RecordedPredictions(str(path), sha, data, detections=boxes, num_classes=classes, model=model)
+        return RecordedPredictions(str(path), sha, data, detections=boxes, num_classes=classes, model=model,
+                                   aligned_by="image_id" if ids == "coco" else "image_id as row index")
     raw = read_bounded(path, what, "record fewer samples per file (split the evaluation) or evaluate a subset.")
     sha = "sha256:" + hashlib.sha256(raw).hexdigest()  # the bytes parsed below: the evidence names what was read
-    rows = _score_rows(path, label, raw)
+    rows, row_ids = _score_rows(path, label, raw)
     if n is not None and int(rows.shape[0]) != n:
         raise DataError(f"{label}: the file holds {int(rows.shape[0])} rows but the evaluation data hold {n} samples; "
                         "recorded predictions need one row per evaluation sample, in the data's order. Fix: record "
                         "the predictions on exactly this data (or point dnnsafety_data at the data they were "
                         "recorded on).")
-    return RecordedPredictions(str(path), sha, data, rows=rows, model=model)
+    if row_ids is None:
+        return RecordedPredictions(str(path), sha, data, rows=rows, model=model)
+    order = _joined(row_ids, data, n, label)
+    return RecordedPredictions(str(path), sha, data, rows=rows[order], model=model, aligned_by="ids")
 
 
-def _score_rows(path: Path, label: str, raw: bytes) -> Tensor:
+def _joined(row_ids: Any, data: Any, n: int | None, label: str) -> Tensor:
+    """``order[j]``: the file's row of the data's sample ``j``, by the ``.npz``'s ids (the data's COCO image ids,
+    else its row indices); a duplicate, unknown or missing id is a DataError naming a few."""
+    if n is None:
+        raise DataError(f"{label}: rows joined on ids need sized evaluation data (its length unknown without reading "
+                        "it). Fix: give a sized data set.")
+    keys = getattr(data, "image_ids", None)
+    what = "COCO image id" if keys is not None else "row index"
+    keys = [int(k) for k in keys] if keys is not None else list(range(n))
+    row_of: dict[int, int] = {}
+    duplicates = []
+    for row, key in enumerate(int(v) for v in row_ids):
+        if key in row_of:
+            duplicates.append(key)
+        row_of[key] = row
+    unknown = sorted(set(row_of) - set(keys))
+    missing = [k for k in keys if k not in row_of]
+    problems = [f"{name} {', '.join(map(str, found[:_SHOWN]))}{', ...' if len(found) > _SHOWN else ''}"
+                for name, found in (("ids given twice:", duplicates), (f"ids that are no {what} of the data:", unknown),
+                                    (f"samples without a row (by {what}):", missing)) if found]
+    if problems:
+        raise DataError(f"{label}: its ids do not name each evaluation sample once: {'; '.join(problems)}. Fix: "
+                        f"record one row per sample with ids = the sample's {what}.")
+    return torch.as_tensor([row_of[k] for k in keys], dtype=torch.int64)
+
+
+def _score_rows(path: Path, label: str, raw: bytes) -> tuple[Tensor, Any]:
+    """The rows and, when the ``.npz`` holds one of :data:`ID_KEYS`, each row's id (a 1-D integer array)."""
     from pytest_dnnsafety.files.loading import (
         read_array_file,  # the bounded, unpickling-free array reader
     )
 
     raw = read_array_file(path, label, raw=raw)
+    row_ids = None
     if isinstance(raw, Mapping):
+        raw = dict(raw)
+        named = [key for key in ID_KEYS if key in raw]
+        if len(named) > 1:
+            raise DataError(f"{label}: the .npz holds both {' and '.join(named)}. Fix: save the rows' ids once.")
+        if named:
+            row_ids = np.asarray(raw.pop(named[0]))
+            if row_ids.ndim != 1 or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.dtype == np.bool_:
+                raise DataError(f"{label}: {named[0]} is a {row_ids.dtype} array of shape {row_ids.shape}; the rows' "
+                                "ids are one integer per row, (N,). Fix: save the samples' ids (COCO image ids, or "
+                                "row indices of the evaluation data) as integers.")
         keys = [key for key in ARRAY_KEYS if key in raw]
         if len(raw) == 1:
             raw = next(iter(raw.values()))
@@ -177,7 +227,7 @@ def _score_rows(path: Path, label: str, raw: bytes) -> Tensor:
         if array.size and array.min() < 0:
             raise DataError(f"{label}: predicted class {int(array.min())} is negative. Fix: save class indices "
                             "0 .. classes - 1.")
-        return torch.from_numpy(array.astype(np.int64))
+        return torch.from_numpy(array.astype(np.int64)), row_ids
     if array.ndim != 2 or array.shape[1] < 1:
         raise DataError(f"{label}: the scores have shape {array.shape}; recorded class scores or logits are a "
                         "(N, classes) array, one row per evaluation sample. Fix: save the model's (N, classes) "
@@ -190,7 +240,7 @@ def _score_rows(path: Path, label: str, raw: bytes) -> Tensor:
                         f"{', '.join(map(str, which))}{', ...' if int(bad.sum()) > _SHOWN else ''}); a metric computed "
                         "from them would be meaningless. Fix: check how the outputs were recorded (a diverged or "
                         "overflowing run on the target).")
-    return rows
+    return rows, row_ids
 
 
 def _number(v: Any) -> bool:
@@ -209,7 +259,7 @@ def _coco_results(path: Path, data: Any, n: int | None, ids: str, label: str, wh
     if ids == "coco" and (image_ids is None or category_ids is None):
         raise DataError(f"{label}: the evaluation data ({type(data).__name__}) carry no COCO image ids and category "
                         "ids to join the results on. Fix: give the data as COCO annotations (dnnsafety_data = "
-                        "\"annotations.json\" with dnnsafety_images, or DetectionData.from_coco), or, when each "
+                        "\"annotations.json\" with dnnsafety_images, or CocoDetectionData.from_coco), or, when each "
                         "image_id is the data's row index and each category_id its label, "
                         "RecordedPredictions.from_file(path, data, ids='rows').")
     if ids == "rows":

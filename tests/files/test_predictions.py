@@ -91,6 +91,45 @@ def test_predicted_class_indices_and_npz_keys(classified, tmp_path: Path) -> Non
         RecordedPredictions.from_file(tmp_path / "unclear.npz", data)
 
 
+class _WithImageIds(torch.utils.data.TensorDataset):
+    """A classification set whose samples carry ids (COCO image ids, say): rows are joined on them."""
+
+    image_ids = [500 + 7 * i for i in range(N)]
+
+
+def test_rows_saved_with_their_ids_are_joined_to_the_data_not_trusted_in_order(classified, tmp_path: Path) -> None:
+    """A shuffled file of logits with an ``ids`` array gives the in-order rows (by row index, or by the data's image
+    ids); without ids the order is trusted and the evidence says so; bad ids are errors naming them."""
+    _, data, root, logits = classified
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    np.savez(tmp_path / "shuffled.npz", logits=logits[perm].numpy(), ids=perm.numpy())
+    joined = RecordedPredictions.from_file(tmp_path / "shuffled.npz", data)
+    assert torch.equal(joined.rows, logits) and joined.to_details()["aligned_by"] == "ids"
+    assert RecordedPredictions.from_file(root / "logits.npy", data).to_details()["aligned_by"] == "row order"
+    by_image = _WithImageIds(*data.tensors)
+    np.savez(tmp_path / "by_image.npz", scores=logits[perm].numpy(),
+             image_ids=np.asarray(_WithImageIds.image_ids)[perm.numpy()])
+    assert torch.equal(RecordedPredictions.from_file(tmp_path / "by_image.npz", by_image).rows, logits)
+    twice = perm.clone()
+    twice[0] = twice[1]
+    np.savez(tmp_path / "twice.npz", logits=logits.numpy(), ids=twice.numpy())
+    with pytest.raises(DataError, match=rf"ids given twice: {int(perm[1])}; samples without a row \(by row index\): "
+                                        rf"{int(perm[0])}\. Fix"):
+        RecordedPredictions.from_file(tmp_path / "twice.npz", data)
+    np.savez(tmp_path / "foreign.npz", logits=logits.numpy(), ids=np.arange(N) + 1)
+    with pytest.raises(DataError, match=rf"ids that are no row index of the data: {N}; samples without a row \(by "
+                                        r"row index\): 0"):
+        RecordedPredictions.from_file(tmp_path / "foreign.npz", data)
+    with pytest.raises(DataError, match=r"ids that are no COCO image id of the data: 0, 1, 2, 3, 4, \.\.\."):
+        RecordedPredictions.from_file(tmp_path / "shuffled.npz", by_image)
+    np.savez(tmp_path / "float_ids.npz", logits=logits.numpy(), ids=np.arange(N, dtype=np.float32))
+    with pytest.raises(DataError, match=r"ids is a float32 array of shape \(60,\); the rows' ids are one integer"):
+        RecordedPredictions.from_file(tmp_path / "float_ids.npz", data)
+    np.savez(tmp_path / "both.npz", logits=logits.numpy(), ids=np.arange(N), image_ids=np.arange(N))
+    with pytest.raises(DataError, match="holds both ids and image_ids"):
+        RecordedPredictions.from_file(tmp_path / "both.npz", data)
+
+
 def test_a_wrong_row_count_names_both_counts(classified, tmp_path: Path) -> None:
     _, data, _, logits = classified
     np.save(tmp_path / "short.npy", logits[:-1].numpy())
