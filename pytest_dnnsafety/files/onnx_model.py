@@ -14,7 +14,9 @@ are named ``boxes``, ``scores``, ``labels`` ((N, K, 4), (N, K), (N, K)) is a det
 
 Intermediate tensors: :meth:`OnnxModel.layer_names` lists the node output names; :meth:`OnnxModel.tapped` adds
 requested names as extra graph outputs (a modified ModelProto, cached per set of names), so a gate's outputs and
-activations come from one run. onnx and onnxruntime (the ``[onnx]`` extra) are imported lazily, here only.
+activations come from one run. Before the first run at an input shape, what the graph will allocate is bounded
+(:func:`~pytest_dnnsafety.files.onnx_sizes.check_runtime_sizes`). onnx and onnxruntime (the ``[onnx]`` extra) are
+imported lazily.
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class OnnxModel(torch.nn.Module):
         self._where = where
         self._sessions: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
         self._parsed: Any = None
+        self._bounded: set[tuple[int, ...]] = set()  # per-sample input shapes whose allocations were bounded
+        declared = self._declared_sample_shape()
+        if declared is not None:  # static per-sample shape: bounded before onnxruntime even builds a session
+            self._bound(declared)
         ort = _import("onnxruntime", where)
         session = self._session((), ("CPUExecutionProvider",))
         inputs = session.get_inputs()
@@ -161,6 +167,26 @@ class OnnxModel(torch.nn.Module):
             onnx = _import("onnx", self._where)
             self._parsed = onnx.load_model_from_string(self.proto)
         return self._parsed
+
+    def _declared_sample_shape(self) -> tuple[int, ...] | None:
+        """The graph input's per-sample dims when all are static, else None."""
+        graph = self._model_proto().graph
+        constants = {init.name for init in graph.initializer}
+        inputs = [value for value in graph.input if value.name not in constants]
+        if len(inputs) != 1:
+            return None
+        dims = inputs[0].type.tensor_type.shape.dim
+        if not len(dims) or not all(d.HasField("dim_value") for d in dims[1:]):
+            return None
+        return tuple(int(d.dim_value) for d in dims[1:])
+
+    def _bound(self, sample: tuple[int, ...]) -> None:
+        """:func:`~pytest_dnnsafety.files.onnx_sizes.check_runtime_sizes` once per per-sample input shape."""
+        if sample not in self._bounded:
+            from pytest_dnnsafety.files.onnx_sizes import check_runtime_sizes
+
+            check_runtime_sizes(self._model_proto(), sample, self._where)
+            self._bounded.add(sample)
 
     def layer_names(self) -> list[str]:
         """The graph's node output names (its intermediate values), in node order."""
@@ -254,6 +280,7 @@ class OnnxModel(torch.nn.Module):
     def _run(self, x: torch.Tensor, layers: tuple[str, ...] = ()) -> tuple[Any, list[torch.Tensor]]:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"an ONNX model takes one tensor batch, not {type(x).__name__}")
+        self._bound(tuple(int(d) for d in x.shape[1:]))  # what the graph allocates at this shape, before it runs
         session = self._session(layers, self._providers(x.device))
         array = x.detach().to("cpu", getattr(torch, self._input_type)).contiguous().numpy()
         names = self.output_names + [name for name in layers if name not in self.output_names]

@@ -104,9 +104,10 @@ def test_the_refusal_names_the_untranslated_operator_not_the_shape_arithmetic_be
     assert "Transpose" not in str(err.value).split("The translation covers")[0]
 
 
-@pytest.mark.parametrize("dims, size", [([4100, 4100, 1, 1], "16810000"),
-                                        ([2**31, 2**31, 4, 1], str(2**64))])  # numpy's product wraps to 0
+@pytest.mark.parametrize("dims, size", [([4100, 4100, 1, 1], "16810000")])
 def test_constant_folding_is_bounded(dims: list[int], size: str) -> None:
+    """67 MB, under the runtime limit of one tensor (files/onnx_sizes.py refuses a forged 2^64-element shape when the
+    file is loaded: tests/files/test_onnx_sizes.py), over the translation's folding limit."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     shape = helper.make_node("Constant", [], ["s"], value=helper.make_tensor("v", TensorProto.INT64, [4], dims))
