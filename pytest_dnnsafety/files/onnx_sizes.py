@@ -200,6 +200,37 @@ def _constant(node: Any) -> Any:
     return None
 
 
+#: Shape arithmetic whose output broadcasts its inputs' shapes.
+_BROADCAST = frozenset({"Mul", "Add", "Sub", "Div", "Mod", "Pow", "Equal", "Greater", "Less", "GreaterOrEqual",
+                        "LessOrEqual", "And", "Or", "Where", "Max", "Min"})
+
+
+def _small_result(node: Any, values: dict[str, Any]) -> bool:
+    """Whether ``node`` is foldable shape arithmetic whose output has at most :data:`_SMALL` elements, known before
+    computing it (``Where`` of three 4096-element vectors could broadcast to 6.9e10 elements; the sizes are Python
+    integers)."""
+    import numpy as np
+
+    given = [values[i] for i in node.input if i]
+    try:
+        if node.op_type == "ConstantOfShape":
+            dims = [int(d) for d in given[0].ravel()]
+            size = math.prod(dims) if all(d >= 0 for d in dims) else _SMALL + 1
+        elif node.op_type in _BROADCAST:
+            size = math.prod(int(d) for d in np.broadcast_shapes(*(np.shape(v) for v in given)))
+        elif node.op_type == "Gather":
+            data, indices = given[0], given[1]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            size = int(np.size(indices)) * (int(np.size(data)) // max(1, int(np.shape(data)[axis])))
+        elif node.op_type in _FOLDABLE:  # the rest make at most what they are given
+            size = sum(int(np.size(v)) for v in given)
+        else:
+            return False
+    except (ValueError, IndexError, TypeError):
+        return False
+    return size <= _SMALL
+
+
 def _fold(model: Any) -> bool:
     """Replace the main graph's foldable nodes by constants (see :func:`_inferred`); whether any was."""
     import numpy as np
@@ -227,10 +258,7 @@ def _fold(model: Any) -> bool:
             attrs = {a.name: a.i for a in node.attribute}
             dims = static[node.input[0]]
             made = [np.array(dims[attrs.get("start", 0):attrs.get("end", len(dims))], dtype=np.int64)]
-        elif node.op_type in _FOLDABLE and node.input and all(not i or i in values for i in node.input) or (
-                node.op_type == "ConstantOfShape" and node.input[0] in values  # a small one only (its size first)
-                and all(int(d) >= 0 for d in values[node.input[0]].ravel())
-                and math.prod(int(d) for d in values[node.input[0]].ravel()) <= _SMALL):
+        elif node.input and all(not i or i in values for i in node.input) and _small_result(node, values):
             try:
                 made = ReferenceEvaluator(node, opsets=opsets).run(None, {i: values[i] for i in node.input if i})
             except Exception:  # noqa: BLE001 - left for onnxruntime to compute

@@ -160,3 +160,24 @@ def test_a_shape_whose_numpy_product_wraps_to_zero_is_refused() -> None:
     with pytest.raises(ModelLoadError, match=r"node 'the_fill' \(ConstantOfShape\) makes a tensor of shape "
                                              r"\[2147483648, 2147483648, 4\]"):
         OnnxModel(model, where="the model file")
+
+
+def test_folding_never_computes_a_large_value() -> None:
+    """``Where`` of three 4096-element vectors shaped to broadcast to 4096³ elements: not folded (its size is known
+    first), and the Where itself is refused by its inferred size, in milliseconds, with no 550 GB allocation."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    vectors = [numpy_helper.from_array(np.ones(shape, dtype=np.int64), name)
+               for name, shape in (("a", (4096, 1, 1)), ("b", (1, 4096, 1)), ("c", (1, 1, 4096)))]
+    model = _model([helper.make_node("Cast", ["a"], ["cond"], to=TensorProto.BOOL),
+                    helper.make_node("Where", ["cond", "b", "c"], ["w"], name="the_where"),
+                    helper.make_node("Reshape", ["w", "flat"], ["shape"]),
+                    helper.make_node("Expand", ["one", "shape"], ["big"], name="the_expand"),
+                    helper.make_node("ReduceSum", ["big"], ["r"], keepdims=0),
+                    helper.make_node("Add", ["x", "r"], ["y"])], [X],
+                   [*vectors, _int64("flat", [-1]), helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"node 'the_where' \(Where\) makes a tensor of shape \[4096, 4096, 4096\]"):
+        OnnxModel(model, where="the model file")
+    assert time.perf_counter() - start < 5
