@@ -4,7 +4,7 @@ A gate's :attr:`~pytest_dnnsafety.gates.core.GateDef.cost` says its work in *sin
 (one input through the model once; a gradient step counts :data:`GRADIENT` forwards) plus its engine's own
 seconds (:class:`Cost`), from its validated options and the :class:`Workload` (inputs, input shape, batch
 size). The evaluation measures the time of one forward per input with a short probe on the gate's own model
-and data (:func:`probe`: the fastest of a few timed forwards of a few inputs, once per session per (model, data)),
+and data (:func:`probe`: the fastest of two timed forwards of a few inputs, once per session per (model, data)),
 multiplies (:class:`Estimate`), shows the estimate on the progress line, records it in the evidence
 (``details.cost_estimate``) and refuses a gate whose estimate exceeds ``max_seconds`` (:func:`check_budget`)
 before it does any work — after a second, longer probe confirms it (a busy moment must not refuse a gate). No torch import at module level.
@@ -117,15 +117,16 @@ def _short(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
-def probe(model: Any, data: Any, device: str, *, seconds: float = 0.05, timings: int = 25
+def probe(model: Any, data: Any, device: str, *, seconds: float = 0.0, timings: int = 2
           ) -> tuple[float, int, tuple[int, ...] | None, Any] | None:
     """``(seconds per single-input forward, inputs probed, one input's shape, the inputs)``: the fastest timed forward
     of the data's first :data:`PROBE_INPUTS` inputs, or None when the model or data cannot be probed (the gate's own
     run then names the problem).
 
-    One untimed warm-up, then at least two timed forwards, more while their total stays under ``seconds`` (at most
-    ``timings``): on a busy machine a forward can wait a whole scheduler slice, and noise only ever adds time, so the
-    fastest of several is the forward's own cost (a slow model still pays only three forwards)."""
+    One untimed warm-up, then two timed forwards (three in all: what every gate pays), more while their total stays
+    under ``seconds`` (at most ``timings``; the confirming probe before a refusal asks for more): on a busy machine a
+    forward can wait a whole scheduler slice, and noise only ever adds time, so the fastest of several is the
+    forward's own cost."""
     import torch
 
     from pytest_dnnsafety.data.forms import iter_batches
