@@ -8,10 +8,6 @@ onnxruntime."""
 
 from __future__ import annotations
 
-import io
-import sys
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,19 +23,14 @@ from pytest_dnnsafety.engines.robustness.plan import ClassifierAttack  # noqa: E
 from pytest_dnnsafety.errors import ConfigError, MetricError  # noqa: E402
 from pytest_dnnsafety.files import onnx_graph  # noqa: E402
 from pytest_dnnsafety.files.onnx_model import OnnxModel  # noqa: E402
+from _onnx_export import example_digits, onnx_model  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "example_project"
 #: float32 tolerance of the bounds: the translated layers hold the same weights as the eager ones
 TOL = 1e-4
 
 
 def _export(model: nn.Module, shape: tuple[int, ...]) -> OnnxModel:
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model.eval(), (torch.rand(2, *shape),), buf, dynamo=False, input_names=["x"],
-                          output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
-    return OnnxModel(buf.getvalue(), where="test model")
+    return onnx_model(model, shape, "y")
 
 
 class _View(nn.Module):
@@ -121,17 +112,7 @@ def test_constant_folding_is_bounded(dims: list[int], size: str) -> None:
 
 
 def _digits() -> nn.Module:
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        from digits_demo.model import build_model
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    torch.manual_seed(0)
-    model = build_model()
-    state = EXAMPLE / "models" / "digits_cnn.pt"
-    if state.exists():  # the example's weights are generated (git-ignored); seeded weights prove the same equality
-        model.load_state_dict(torch.load(state, weights_only=True))
-    return model.eval()
+    return example_digits()
 
 
 def test_attack_gates_read_onnxruntime_with_the_translations_gradients_and_say_so() -> None:

@@ -4,10 +4,6 @@ operators refused by name before any work."""
 
 from __future__ import annotations
 
-import io
-import sys
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,33 +20,16 @@ from pytest_dnnsafety.engines.perturb.adversarial import pgd  # noqa: E402
 from pytest_dnnsafety.engines.robustness.verification import verify_robustness  # noqa: E402
 from pytest_dnnsafety.files.onnx_graph import OnnxTranslation  # noqa: E402
 from pytest_dnnsafety.files.onnx_model import OnnxModel  # noqa: E402
+from _onnx_export import example_digits, onnx_model  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "example_project"
 
 
 def _export(model: nn.Module, shape: tuple[int, ...]) -> OnnxModel:
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model.eval(), (torch.rand(2, *shape),), buf, dynamo=False, input_names=["x"],
-                          output_names=["logits"], dynamic_axes={"x": {0: "n"}, "logits": {0: "n"}})
-    return OnnxModel(buf.getvalue(), where="test model")
+    return onnx_model(model, shape, "logits")
 
 
 def _digits() -> nn.Module:
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        from digits_demo.model import build_model
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    model = build_model()
-    state = EXAMPLE / "models" / "digits_cnn.pt"
-    if state.exists():
-        model.load_state_dict(torch.load(state, weights_only=True))
-    else:  # the example's weights are generated (git-ignored): seeded random weights prove the same equality
-        torch.manual_seed(0)
-        model = build_model()
-    return model.eval()
+    return example_digits()
 
 
 class _Residual(nn.Module):
